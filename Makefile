@@ -1,0 +1,35 @@
+# Two commands do all the set-up themselves: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: demo test lint venv clean
+
+$(VENV)/.created:
+	$(PYTHON) -m venv $(VENV)
+	touch $@
+
+# torch is pinned to 2.13.0 only where none is installed (on this kind of machine
+# that is the CPU build on disk); a user's own torch is kept.
+$(VENV)/.torch: $(VENV)/.created
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.torch pyproject.toml
+	$(PIP) install -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/dhp train
+
+lint: venv
+	$(VENV)/bin/ruff check dhp tests benchmarks
+
+test: venv lint
+	$(VENV)/bin/pytest -q tests
+
+clean:
+	rm -rf $(VENV) outputs

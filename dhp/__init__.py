@@ -1,0 +1,3 @@
+"""dhp: disaggregated hybrid parallelism for multimodal training on Ray."""
+
+__version__ = "0.1.0"

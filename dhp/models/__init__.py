@@ -1,0 +1,1 @@
+"""Model families. Each family is one folder: config, modules, weight adapter, parallel plans."""

@@ -1,0 +1,66 @@
+"""Qwen2.5-VL as two modules: ``visual`` (encoder + merger) and ``language`` (decoder + lm_head).
+
+The runtime places the two in different actor groups; this wrapper joins them
+for the single-process reference, for evaluation and for the weight adapter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dhp.data.mrope import rope_index
+from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig
+from dhp.models.qwen2_5_vl.text import TextModel
+from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_weights
+
+
+class Qwen2_5_VL(nn.Module):
+    def __init__(self, cfg: Qwen2_5_VLConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.visual = VisionTransformer(cfg.vision)
+        self.language = TextModel(cfg.text, cfg.image_token_id)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        init_weights(self, std)
+
+    def position_ids(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        return rope_index(
+            input_ids,
+            image_grid_thw,
+            image_token_id=self.cfg.image_token_id,
+            vision_start_token_id=self.cfg.vision_start_token_id,
+            spatial_merge_size=self.cfg.vision.spatial_merge_size,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, L], pixel_values [N, 1176], image_grid_thw [I, 3] -> logits [B, L, V]."""
+        image_embeds = None
+        if pixel_values is not None and pixel_values.shape[0]:
+            image_embeds = self.visual(pixel_values, image_grid_thw)
+        if position_ids is None:
+            position_ids = self.position_ids(input_ids, image_grid_thw)
+        return self.language(input_ids, position_ids, image_embeds, cu_seqlens)
+
+
+def build_model(cfg: Qwen2_5_VLConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Qwen2_5_VL:
+    """A randomly initialised model; on ``device="meta"`` nothing is allocated."""
+    with torch.device(device):
+        model = Qwen2_5_VL(cfg)
+    if str(device) != "meta":
+        if seed is not None:
+            torch.manual_seed(seed)
+        model.reset_parameters()
+    return model
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())

@@ -1,0 +1,146 @@
+"""The Qwen2.5-VL language model (a Qwen2 decoder with M-RoPE), top to bottom.
+
+input_ids [B, L]
+  -> embed_tokens, image embeddings placed at <|image_pad|>   [B, L, D]
+  -> layers x n: RMSNorm, GQA attention (qkv bias, M-RoPE), RMSNorm, SwiGLU
+  -> norm, lm_head                                           [B, L, V]
+
+M-RoPE: each token has 3 positions (temporal, height, width; equal for text).
+The rotary frequencies of a head are split in ``mrope_section`` chunks that
+take their angle from the t, h and w position respectively.
+
+Packing: several samples may share one row; ``cu_seqlens`` (the boundaries of
+the samples in the flattened [B*L] sequence) keeps attention inside a sample.
+Without it each row is one causal sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dhp.models.layers import RMSNorm, SwiGLU, apply_rotary, packed_attention
+from dhp.models.qwen2_5_vl.config import TextConfig
+
+
+class MRotary(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.section = list(cfg.mrope_section)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [3, B, L] -> cos, sin [B, L, head_dim]."""
+        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [3, B, L, hd/2]
+        chunks = freqs.split(self.section, dim=-1)
+        freqs = torch.cat([c[i % 3] for i, c in enumerate(chunks)], dim=-1)  # [B, L, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=True)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        b, seq, _ = x.shape
+        # head counts come from the (possibly tensor-parallel, i.e. local) projection widths
+        q = self.q_proj(x).view(b * seq, -1, self.head_dim)
+        k = self.k_proj(x).view(b * seq, -1, self.head_dim)
+        v = self.v_proj(x).view(b * seq, -1, self.head_dim)
+        cos, sin = (r.reshape(b * seq, -1) for r in rope)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = packed_attention(q, k, v, cu_seqlens, causal=True)  # [B*L, H, hd]
+        return self.o_proj(out.view(b, seq, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor):
+        x = x + self.self_attn(self.input_layernorm(x), rope, cu_seqlens)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    """Decoder plus ``lm_head``: the whole language side, as one runtime group holds it."""
+
+    def __init__(self, cfg: TextConfig, image_token_id: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.image_token_id = image_token_id
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = MRotary(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None) -> torch.Tensor:
+        """Token embeddings [B, L, D] with ``image_embeds [N_img, D]`` at the image-pad positions, in order."""
+        x = self.embed_tokens(input_ids)
+        mask = input_ids == self.image_token_id
+        n_slots = int(mask.sum())
+        n_embeds = 0 if image_embeds is None else image_embeds.shape[0]
+        if n_slots != n_embeds:
+            raise ValueError(f"{n_slots} <|image_pad|> tokens in the input but {n_embeds} image embeddings")
+        if n_embeds:
+            x = x.masked_scatter(mask.unsqueeze(-1), image_embeds.to(x.dtype))
+        return x
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        image_embeds: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, L], position_ids [3, B, L], image_embeds [N_img, D] -> logits [B, L, V]."""
+        return self.lm_head(self.hidden_states(input_ids, position_ids, image_embeds, cu_seqlens))
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        image_embeds: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        b, seq = input_ids.shape
+        if cu_seqlens is None:  # each row its own sequence
+            cu_seqlens = torch.arange(0, (b + 1) * seq, seq)
+        x = self.embed(input_ids, image_embeds)
+        rope = self.rotary(position_ids)
+        for layer in self.layers:
+            x = layer(x, rope, cu_seqlens)
+        return self.norm(x)
+
+    def loss_sum(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        targets: torch.Tensor,
+        image_embeds: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Summed next-token cross entropy; ``targets [B, L]`` are already shifted (-100: not supervised)."""
+        logits = self.forward(input_ids, position_ids, image_embeds, cu_seqlens)
+        return F.cross_entropy(
+            logits.view(-1, logits.shape[-1]).float(), targets.view(-1), ignore_index=-100, reduction="sum"
+        )
