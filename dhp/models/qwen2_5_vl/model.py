@@ -22,8 +22,13 @@ class Qwen2_5_VL(nn.Module):
         self.visual = VisionTransformer(cfg.vision)
         self.language = TextModel(cfg.text, cfg.image_token_id)
 
-    def reset_parameters(self, std: float = 0.02) -> None:
-        init_weights(self, std)
+    def reset_parameters(self, seed: int | None = None, std: float = 0.02) -> None:
+        """Each module is initialised from its own seed, so a group that builds only one module
+        (the runtime's vision or text workers) gets exactly the weights the whole model would."""
+        for offset, module in enumerate((self.visual, self.language)):
+            if seed is not None:
+                torch.manual_seed(seed + offset)
+            init_weights(module, std)
 
     def position_ids(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
         return rope_index(
@@ -56,9 +61,7 @@ def build_model(cfg: Qwen2_5_VLConfig, device: str | torch.device = "cpu", seed:
     with torch.device(device):
         model = Qwen2_5_VL(cfg)
     if str(device) != "meta":
-        if seed is not None:
-            torch.manual_seed(seed)
-        model.reset_parameters()
+        model.reset_parameters(seed)
     return model
 
 

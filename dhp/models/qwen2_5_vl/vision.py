@@ -178,9 +178,6 @@ class VisionTransformer(nn.Module):
             x = block(x, cu_full if block.full_attention else cu_window, rope)
         return self.merger(x)
 
-    def reset_parameters(self, std: float = 0.02) -> None:
-        init_weights(self, std)
-
 
 def init_weights(module: nn.Module, std: float) -> None:
     """Normal(0, std) for linear/conv/embedding weights, zero biases, unit norms (as HF initialises)."""
