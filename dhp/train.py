@@ -192,7 +192,8 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        short = f"loss {row['loss']:.4f} lr {row['lr']:.2e} gnorm {row['grad_norm']:.3f} tok/s {row['tokens_per_s']:.0f}"
+        short = (f"loss {row['loss']:.4f} lr {row['lr']:.2e} gnorm {row['grad_norm']:.3f} "
+                 f"tok/s {row['tokens_per_s']:.0f}")
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix_str(short)
