@@ -1,0 +1,98 @@
+"""One processed sample, and the packing of several samples into one row.
+
+Why packing: vision-language samples vary wildly in length; padding wastes
+compute. Packing puts the samples one after the other in a single row; the
+attention never crosses a boundary (``cu_seqlens``), positions restart per
+sample, and targets are shifted per sample, so a packed batch computes exactly
+the sum of its samples' losses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dhp.data.processor import MERGE_SIZE, PATCH_DIM
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Sample:
+    index: int  # the sample id in its dataset
+    input_ids: torch.Tensor  # [L] long
+    labels: torch.Tensor  # [L] long, -100 where not supervised (not shifted)
+    position_ids: torch.Tensor  # [3, L] long (M-RoPE)
+    pixel_values: torch.Tensor  # [N, 1176] float, N = 0 for text-only
+    image_grid_thw: torch.Tensor  # [I, 3] long, I may be 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_patches(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Merged vision tokens (``<|image_pad|>`` slots) = patches / 4."""
+        return self.num_patches // (MERGE_SIZE * MERGE_SIZE)
+
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets of one sample: ``targets[t] = labels[t + 1]``, the last one -100."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[..., :-1] = labels[..., 1:]
+    return targets
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [3, 1, T]
+    targets: torch.Tensor  # [1, T], already shifted per sample
+    cu_seqlens: torch.Tensor  # [n + 1] int32, sample boundaries in the row
+    pixel_values: torch.Tensor  # [N_total, 1176]
+    image_grid_thw: torch.Tensor  # [I_total, 3]
+    sample_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_supervised(self) -> int:
+        return int((self.targets != IGNORE_INDEX).sum())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def to(self, device: str | torch.device) -> Batch:
+        return Batch(
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            targets=self.targets.to(device),
+            cu_seqlens=self.cu_seqlens.to(device),
+            pixel_values=self.pixel_values.to(device),
+            image_grid_thw=self.image_grid_thw.to(device),
+            sample_ids=list(self.sample_ids),
+        )
+
+
+def pack(samples: list[Sample]) -> Batch:
+    """Samples -> one packed row; images concatenated in sample order (matching the ``<|image_pad|>`` order)."""
+    if not samples:
+        raise ValueError("pack() needs at least one sample")
+    lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.int32)
+    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    pixels = [s.pixel_values.reshape(-1, PATCH_DIM) for s in samples]
+    grids = [s.image_grid_thw.reshape(-1, 3).long() for s in samples]
+    return Batch(
+        input_ids=torch.cat([s.input_ids.long() for s in samples])[None],
+        position_ids=torch.cat([s.position_ids.long() for s in samples], dim=1)[:, None],
+        targets=torch.cat([shifted_targets(s.labels.long()) for s in samples])[None],
+        cu_seqlens=cu,
+        pixel_values=torch.cat(pixels).float() if pixels else torch.zeros(0, PATCH_DIM),
+        image_grid_thw=torch.cat(grids),
+        sample_ids=[s.index for s in samples],
+    )
