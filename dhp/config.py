@@ -46,6 +46,8 @@ class TrainConfig:
     steps: int = 100
     global_batch_size: int = 8
     micro_batch_size: int = 4
+    optimizer: Literal["adamw", "sgd"] = "adamw"  # sgd (with momentum) mostly for exact-parity tests
+    momentum: float = 0.9  # sgd only
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 10

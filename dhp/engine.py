@@ -51,6 +51,13 @@ def lr_lambda(cfg: Config) -> Callable[[int], float]:
     return f
 
 
+def make_optimizer(groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
+    t = cfg.train
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
+    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
+
+
 def _groups(named: Iterable[tuple[str, nn.Parameter]], lr: float, weight_decay: float) -> list[dict]:
     """AdamW groups: no weight decay on biases and norm weights (1-D parameters)."""
     decay, no_decay = [], []
@@ -74,9 +81,7 @@ class ModuleEngine:
         self.cfg = cfg
         self.dp_group = dp_group
         self.trainable = [p for g in groups for p in g["params"]]
-        self.optimizer = (
-            torch.optim.AdamW(groups, betas=cfg.train.betas, eps=cfg.train.eps) if self.trainable else None
-        )
+        self.optimizer = make_optimizer(groups, cfg) if self.trainable else None
         self.scheduler = (
             torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg)) if self.optimizer else None
         )
