@@ -1,0 +1,277 @@
+"""Supervised fine-tuning data in LLaVA JSON/JSONL form, checked before the first step.
+
+Why a pre-flight check: a broken sample found at step 10,000 of a multi-node
+run wastes the run. ``SFTDataset`` validates every sample when it is built
+(files exist and decode, ``<image>`` count matches the images, roles are known,
+an assistant turn exists, the exact token count fits ``data.max_length``) and
+either raises one ``DataError`` listing every problem or, with
+``data.on_error=skip``, drops those samples and records why. Token counts come
+from image headers only (no pixel decoding), so batch plans are exact and cheap.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from dhp.config import DataConfig
+from dhp.data.batch import Sample
+from dhp.data.mrope import rope_index
+from dhp.data.processor import image_tokens, process_image, smart_resize
+from dhp.data.tokenizer import IMAGE_PLACEHOLDER, Tokenizer
+
+LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+MESSAGE_ROLES = ("system", "user", "assistant")
+MAX_LISTED_ISSUES = 20
+
+
+class DataError(ValueError):
+    """A problem with the training data; the message names the file, the sample and the fix."""
+
+    def __init__(self, message: str, issues: list[DataIssue] | None = None) -> None:
+        super().__init__(message)
+        self.issues = issues or []
+
+
+@dataclass(frozen=True)
+class DataIssue:
+    file: str
+    index: int  # the sample's position in the file (0-based)
+    message: str  # what is wrong and how to fix it
+
+    def __str__(self) -> str:
+        return f"{self.file} sample {self.index}: {self.message}"
+
+
+@dataclass
+class _Record:
+    """One sample of the file, normalised: chat messages and absolute image paths."""
+
+    index: int
+    messages: list[dict[str, str]]
+    images: list[Path]
+    problem: str | None = None  # a structural problem found while parsing
+
+
+class SFTDataset:
+    """LLaVA-style SFT samples -> ``Sample`` (ids, labels, M-RoPE positions, pixels); indexes only good samples."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, path: str | Path | None = None) -> None:
+        if path is None:
+            path = cfg.path
+        if path is None:
+            from dhp.data.demo import ensure_demo_dataset
+
+            path = ensure_demo_dataset() / "train.jsonl"
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.file = Path(path)
+        self.image_root = Path(cfg.image_root) if cfg.image_root else self.file.parent
+        self._records = _read_records(self.file, self.image_root)
+        self._lengths: dict[int, int] = {}  # record index -> exact token count
+        self.skipped: list[DataIssue] = []
+        issues = self.validate()
+        bad = {issue.index for issue in issues}
+        if issues and cfg.on_error == "raise":
+            raise DataError(_summary(self.file, issues), issues)
+        self.skipped = issues
+        self._good = [r.index for r in self._records if r.index not in bad]
+        if not self._good:
+            raise DataError(f"{self.file}: no usable samples ({len(self._records)} read, {len(bad)} with problems)",
+                            issues)
+
+    # ---- indexing ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._good)
+
+    @property
+    def num_skipped(self) -> int:
+        return len({issue.index for issue in self.skipped})
+
+    def source_index(self, i: int) -> int:
+        """Position in the data file of dataset sample ``i``."""
+        return self._good[i]
+
+    def lengths(self) -> list[int]:
+        """Exact token count of every sample (from image headers, no pixel decoding)."""
+        return [self._lengths[k] for k in self._good]
+
+    def __getitem__(self, i: int) -> Sample:
+        if not 0 <= i < len(self._good):
+            raise IndexError(f"{self.file}: sample {i} out of range (dataset has {len(self._good)} samples)")
+        rec = self._records[self._good[i]]
+        pixels, grids = [], []
+        for img_path in rec.images:
+            try:
+                with Image.open(img_path) as img:
+                    pv, grid = process_image(img, self.cfg.min_pixels, self.cfg.max_pixels)
+            except (OSError, ValueError) as e:
+                raise DataError(f"{self.file} sample {rec.index}: image {img_path} cannot be processed ({e}); "
+                                "fix or remove the file, or drop the sample") from e
+            pixels.append(pv)
+            grids.append(grid)
+        grid_thw = torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
+        counts = [int(g.prod()) // 4 for g in grids]
+        ids, labels = self.tokenizer.encode_conversation(rec.messages, counts)
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        positions = rope_index(input_ids[None], grid_thw, self.tokenizer.image_pad_id, self.tokenizer.vision_start_id)
+        return Sample(
+            index=i,
+            input_ids=input_ids,
+            labels=torch.tensor(labels, dtype=torch.long),
+            position_ids=positions[:, 0],
+            pixel_values=torch.cat(pixels) if pixels else torch.zeros(0, 1176),
+            image_grid_thw=grid_thw,
+        )
+
+    # ---- pre-flight check -------------------------------------------------------------
+    def validate(self) -> list[DataIssue]:
+        """Every problem of every sample in the file (empty: all good); also records exact token counts."""
+        issues: list[DataIssue] = []
+        for rec in self._records:
+            for message in self._check(rec):
+                issues.append(DataIssue(str(self.file), rec.index, message))
+        return issues
+
+    def _check(self, rec: _Record) -> list[str]:
+        if rec.problem:
+            return [rec.problem]
+        problems = _check_conversation(rec)
+        counts: list[int] = []
+        for img_path in rec.images:
+            n, problem = self._image_tokens(img_path)
+            if problem:
+                problems.append(problem)
+            counts.append(n)
+        if problems:
+            return problems
+        ids, _ = self.tokenizer.encode_conversation(rec.messages, counts)
+        self._lengths[rec.index] = len(ids)
+        if len(ids) > self.cfg.max_length:
+            return [f"{len(ids)} tokens, longer than data.max_length={self.cfg.max_length} (samples are never "
+                    "truncated); raise data.max_length, lower data.max_pixels, or shorten the sample"]
+        return []
+
+    def _image_tokens(self, img_path: Path) -> tuple[int, str | None]:
+        if not img_path.is_file():
+            return 0, f"image file {img_path} does not exist; fix the path (relative to {self.image_root}) or add it"
+        try:
+            with Image.open(img_path) as img:
+                width, height = img.size
+                img.verify()
+        except Exception as e:  # PIL raises many types for corrupt files
+            return 0, f"image {img_path} is unreadable or corrupt ({type(e).__name__}: {e}); replace the file"
+        try:
+            smart_resize(height, width, 28, self.cfg.min_pixels, self.cfg.max_pixels)
+        except ValueError as e:
+            return 0, f"image {img_path}: {e}"
+        return image_tokens(width, height, self.cfg.min_pixels, self.cfg.max_pixels), None
+
+
+def _summary(file: Path, issues: list[DataIssue]) -> str:
+    n_samples = len({i.index for i in issues})
+    lines = [str(i) for i in issues[:MAX_LISTED_ISSUES]]
+    more = len(issues) - len(lines)
+    tail = [f"... and {more} more"] if more > 0 else []
+    head = (f"{file}: {len(issues)} problem(s) in {n_samples} sample(s); fix them, or set data.on_error=skip "
+            "to drop those samples")
+    return "\n".join([head, *lines, *tail])
+
+
+def _check_conversation(rec: _Record) -> list[str]:
+    problems = []
+    if not rec.messages:
+        return ["empty conversation; give at least one user and one assistant turn"]
+    if not any(m["role"] == "assistant" for m in rec.messages):
+        problems.append("no assistant turn, nothing to learn; add a 'gpt'/'assistant' reply or drop the sample")
+    n_ph = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in rec.messages)
+    if n_ph != len(rec.images):
+        problems.append(f"{n_ph} {IMAGE_PLACEHOLDER} placeholder{'s' if n_ph != 1 else ''} but "
+                        f"{len(rec.images)} image{'s' if len(rec.images) != 1 else ''}; make them equal")
+    return problems
+
+
+# ---- reading ----------------------------------------------------------------------------
+
+
+def _read_records(file: Path, image_root: Path) -> list[_Record]:
+    if not file.is_file():
+        raise DataError(f"data file {file} does not exist; set data.path to a LLaVA JSON or JSONL file")
+    text = file.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{file}: not valid JSON ({e}); fix the file") from None
+        items: list[tuple[Any, str | None]] = [(x, None) for x in raw]
+    else:
+        items = [_parse_line(line) for line in text.splitlines() if line.strip()]
+    return [_record(k, item, err, image_root) for k, (item, err) in enumerate(items)]
+
+
+def _parse_line(line: str) -> tuple[Any, str | None]:
+    try:
+        return json.loads(line), None
+    except json.JSONDecodeError as e:
+        return None, f"not valid JSON ({e}); fix the line"
+
+
+def _record(index: int, item: Any, error: str | None, image_root: Path) -> _Record:
+    if error:
+        return _Record(index, [], [], error)
+    if not isinstance(item, dict):
+        return _Record(index, [], [], f"expected an object with 'conversations' or 'messages', got {item!r:.60}")
+    try:
+        images = [image_root / p for p in _image_list(item)]
+        if "conversations" in item:
+            messages = _from_llava(item["conversations"])
+        elif "messages" in item:
+            messages = _from_messages(item["messages"])
+        else:
+            raise ValueError("no 'conversations' or 'messages' key; use the LLaVA or the messages format")
+    except ValueError as e:
+        return _Record(index, [], [], str(e))
+    return _Record(index, messages, images)
+
+
+def _image_list(item: dict[str, Any]) -> list[str]:
+    value = item.get("image", item.get("images"))
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ValueError(f"'image' must be a path or a list of paths, got {value!r:.60}")
+
+
+def _from_llava(turns: Any) -> list[dict[str, str]]:
+    if not isinstance(turns, list):
+        raise ValueError("'conversations' must be a list of {'from', 'value'} turns")
+    out = []
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise ValueError(f"turn {k} must be an object with a string 'value'")
+        role = LLAVA_ROLES.get(turn.get("from"))
+        if role is None:
+            raise ValueError(f"turn {k}: unknown role {turn.get('from')!r}; use 'human', 'gpt' or 'system'")
+        out.append({"role": role, "content": turn["value"]})
+    return out
+
+
+def _from_messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list):
+        raise ValueError("'messages' must be a list of {'role', 'content'} messages")
+    out = []
+    for k, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("content"), str):
+            raise ValueError(f"message {k} must be an object with a string 'content'")
+        if msg.get("role") not in MESSAGE_ROLES:
+            raise ValueError(f"message {k}: unknown role {msg.get('role')!r}; use 'system', 'user' or 'assistant'")
+        out.append({"role": msg["role"], "content": msg["content"]})
+    return out

@@ -1,0 +1,161 @@
+"""SFTDataset: both file formats, exact lengths without pixels, and one named error per kind of bad sample."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dhp.config import DataConfig
+from dhp.data.llava import DataError, SFTDataset
+from dhp.data.processor import process_image
+from dhp.data.tokenizer import Tokenizer, build_demo_tokenizer
+
+CFG = DataConfig(min_pixels=56 * 56, max_pixels=28 * 28 * 64, max_length=512)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer(build_demo_tokenizer(tmp_path_factory.mktemp("tok"), ["What digit is this?", "3 7"]))
+
+
+def _png(path: Path, width: int, height: int, seed: int = 0) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arr = np.random.default_rng(seed).integers(0, 256, (height, width), dtype=np.uint8)
+    Image.fromarray(arr, "L").save(path)
+    return path.name
+
+
+def _llava(image, q: str, a: str) -> dict:
+    item = {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+    if image is not None:
+        item["image"] = image
+    return item
+
+
+def _write_jsonl(path: Path, items: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in items))
+    return path
+
+
+@pytest.fixture()
+def good_dir(tmp_path: Path) -> Path:
+    _png(tmp_path / "a.png", 56, 56, 1)
+    _png(tmp_path / "b.png", 150, 60, 2)
+    _png(tmp_path / "c.png", 90, 200, 3)
+    return tmp_path
+
+
+def test_llava_json_samples_equal_processor_and_template(good_dir: Path, tok: Tokenizer) -> None:
+    items = [_llava("a.png", "<image>\nWhat digit is this?", "3"),
+             _llava(["b.png", "c.png"], "<image><image>What are the two digits?", "3 7"),
+             _llava(None, "Say 5", "5")]
+    path = good_dir / "train.json"
+    path.write_text(json.dumps(items))
+    ds = SFTDataset(CFG, tok, str(path))
+    assert len(ds) == 3 and ds.num_skipped == 0
+    lengths = ds.lengths()
+    for i in range(3):
+        s = ds[i]
+        assert s.index == i and s.num_tokens == lengths[i]
+        assert s.position_ids.shape == (3, s.num_tokens)
+    s = ds[1]
+    pv_b, g_b = process_image(Image.open(good_dir / "b.png"), CFG.min_pixels, CFG.max_pixels)
+    pv_c, g_c = process_image(Image.open(good_dir / "c.png"), CFG.min_pixels, CFG.max_pixels)
+    assert torch.equal(s.pixel_values, torch.cat([pv_b, pv_c]))
+    assert s.image_grid_thw.tolist() == [g_b.tolist(), g_c.tolist()]
+    counts = [int(g_b.prod()) // 4, int(g_c.prod()) // 4]
+    msgs = [{"role": "user", "content": items[1]["conversations"][0]["value"]}, {"role": "assistant", "content": "3 7"}]
+    ids, labels = tok.encode_conversation(msgs, counts)
+    assert s.input_ids.tolist() == ids and s.labels.tolist() == labels
+    assert s.num_image_tokens == sum(counts) == int((s.input_ids == tok.image_pad_id).sum())
+    assert ds[2].num_patches == 0 and ds[2].image_grid_thw.shape == (0, 3)
+
+
+def test_messages_jsonl_and_image_root(tmp_path: Path, tok: Tokenizer) -> None:
+    _png(tmp_path / "imgs" / "x.png", 80, 80)
+    (tmp_path / "data").mkdir()
+    item = {"messages": [{"role": "system", "content": "Digits only."}, {"role": "user", "content": "<image>Which?"},
+                         {"role": "assistant", "content": "8"}], "images": ["x.png"]}
+    path = _write_jsonl(tmp_path / "data" / "train.jsonl", [item])
+    ds = SFTDataset(replace(CFG, image_root=str(tmp_path / "imgs")), tok, path)
+    s = ds[0]
+    assert s.image_grid_thw.tolist() == [[1, 6, 6]]
+    assert tok.decode(s.input_ids.tolist()).startswith("system\nDigits only.")
+    assert tok.decode([t for t in s.labels.tolist() if t != -100]) == "8"
+
+
+BAD = {
+    "missing image": (_llava("nope.png", "<image>Q", "1"), "image file .*nope.png does not exist"),
+    "corrupt image": (_llava("corrupt.png", "<image>Q", "1"), "corrupt.png is unreadable or corrupt"),
+    "count mismatch": (_llava(["a.png"], "<image><image>Q", "1"), "2 <image> placeholders but 1 image; make them"),
+    "empty conversation": ({"conversations": []}, "empty conversation"),
+    "no assistant": ({"conversations": [{"from": "human", "value": "hi"}]}, "no assistant turn"),
+    "unknown role": ({"conversations": [{"from": "bot", "value": "hi"}]}, "unknown role 'bot'"),
+    "too long": (_llava(None, "word " * 600, "1"), r"tokens, longer than data.max_length=512"),
+    "bad json": ("{not json", "not valid JSON"),
+    "aspect ratio": (_llava("thin.png", "<image>Q", "1"), "aspect ratio .* above the limit of 200"),
+    "no conversation key": ({"image": "a.png"}, "no 'conversations' or 'messages' key"),
+}
+
+
+def _bad_file(good_dir: Path, case: str) -> Path:
+    (good_dir / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20)
+    _png(good_dir / "thin.png", 402, 2)
+    good = _llava("a.png", "<image>What digit is this?", "3")
+    return _write_jsonl(good_dir / "train.jsonl", [good, good, BAD[case][0], good])
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_sample_raises_naming_file_and_index(good_dir: Path, tok: Tokenizer, case: str) -> None:
+    path = _bad_file(good_dir, case)
+    with pytest.raises(DataError, match=BAD[case][1]) as e:
+        SFTDataset(CFG, tok, str(path))
+    assert f"{path} sample 2: " in str(e.value)
+    assert "data.on_error=skip" in str(e.value)
+    assert [i.index for i in e.value.issues] == [2] * len(e.value.issues)
+
+
+@pytest.mark.parametrize("case", ["missing image", "count mismatch", "too long", "bad json"])
+def test_skip_drops_and_counts(good_dir: Path, tok: Tokenizer, case: str) -> None:
+    path = _bad_file(good_dir, case)
+    ds = SFTDataset(replace(CFG, on_error="skip"), tok, str(path))
+    assert len(ds) == 3 and ds.num_skipped == 1
+    assert [ds.source_index(i) for i in range(3)] == [0, 1, 3]
+    assert len(ds.lengths()) == 3
+    assert str(ds.skipped[0]).startswith(f"{path} sample 2: ")
+    assert ds[2].index == 2 and ds[2].num_tokens == ds.lengths()[2]
+    with pytest.raises(IndexError):
+        ds[3]
+
+
+def test_validate_lists_every_problem(good_dir: Path, tok: Tokenizer) -> None:
+    items = [_llava("a.png", "<image>Q", "1"), _llava("gone.png", "Q", "1"), {"conversations": []}]
+    path = _write_jsonl(good_dir / "t.jsonl", items)
+    ds = SFTDataset(replace(CFG, on_error="skip"), tok, path)
+    issues = ds.validate()
+    assert sorted({i.index for i in issues}) == [1, 2]
+    messages = " | ".join(str(i) for i in issues)
+    assert "sample 1: 0 <image> placeholders but 1 image" in messages
+    assert "gone.png does not exist" in messages
+
+
+def test_lengths_do_not_decode_pixels(good_dir: Path, tok: Tokenizer, monkeypatch) -> None:
+    path = _write_jsonl(good_dir / "t.jsonl", [_llava("b.png", "<image>Q", "1")])
+    monkeypatch.setattr(Image.Image, "load", lambda self: (_ for _ in ()).throw(AssertionError("decoded pixels")))
+    ds = SFTDataset(CFG, tok, path)
+    monkeypatch.undo()
+    assert ds.lengths() == [ds[0].num_tokens]
+
+
+def test_all_bad_or_missing_file(tmp_path: Path, tok: Tokenizer) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        SFTDataset(CFG, tok, tmp_path / "none.jsonl")
+    path = _write_jsonl(tmp_path / "t.jsonl", [{"conversations": []}])
+    with pytest.raises(DataError, match="no usable samples"):
+        SFTDataset(replace(CFG, on_error="skip"), tok, path)
