@@ -1,0 +1,152 @@
+"""A small, learnable vision-language data set built offline from scikit-learn's handwritten digits.
+
+Why: dhp must train end to end (data -> both modules -> loss going down ->
+held-out accuracy) on a laptop, with no download. The 8x8 digits ship inside
+the scikit-learn wheel; upscaled to 56..168 px with random placement and noise
+they give vision sequences of varied length (some spanning several 112 px
+attention windows), multi-image samples and wide collages, with answers made
+of digit characters that a few-MB model learns in a few hundred steps.
+Train and held-out splits use disjoint digit instances.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from dhp.data.tokenizer import DEFAULT_SYSTEM_PROMPT, build_demo_tokenizer
+
+DEMO_VERSION = "1"
+MARKER = ".complete"
+
+SINGLE_PROMPTS = ("What digit is this?", "Which digit is shown?", "Read the digit.")
+PAIR_PROMPTS = ("What are the two digits?", "Read both digits.")
+COLLAGE_PROMPTS = ("Read the digits from left to right.", "What number is written?")
+TEXT_PROMPT = "What comes after {d}?"
+KINDS = ("single", "pair", "collage", "text")
+KIND_WEIGHTS = (0.45, 0.25, 0.25, 0.05)
+EVAL_FRACTION = 0.2  # share of digit instances reserved for the held-out split
+
+
+@dataclass(frozen=True)
+class DemoPaths:
+    root: Path
+    train: Path
+    eval: Path
+    images: Path
+    tokenizer: Path
+
+
+def demo_dir() -> Path:
+    """Where the demo set is cached: ``$DHP_CACHE/demo`` if DHP_CACHE is set, else ``~/.cache/dhp/demo``."""
+    root = os.environ.get("DHP_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "dhp") / "demo"
+
+
+def ensure_demo_dataset() -> Path:
+    """The cached demo set, built once (atomically, so concurrent workers agree); returns its folder."""
+    target = demo_dir()
+    if (target / MARKER).is_file() and (target / MARKER).read_text().strip() == DEMO_VERSION:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".demo-build-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_demo_dataset(tmp)
+    (tmp / MARKER).write_text(DEMO_VERSION + "\n")
+    if target.exists() and not (target / MARKER).is_file():  # a stale or interrupted build
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process finished first: use its (identical) copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def make_demo_dataset(out_dir: str | Path, seed: int = 0, n_train: int = 2000, n_eval: int = 200) -> DemoPaths:
+    """Write ``train.jsonl``, ``eval.jsonl`` (LLaVA format), ``images/*.png`` and ``tokenizer/``; deterministic."""
+    from sklearn.datasets import load_digits
+
+    root = Path(out_dir)
+    images = root / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    digits = load_digits()
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(digits.target))
+    n_held = int(len(order) * EVAL_FRACTION)
+    pools = {"eval": order[:n_held], "train": order[n_held:]}
+    texts: list[str] = [DEFAULT_SYSTEM_PROMPT, "system", "user", "assistant"]
+    files = {}
+    for split, n in (("train", n_train), ("eval", n_eval)):
+        split_rng = np.random.default_rng([seed, 1 if split == "train" else 2])
+        items = [_make_item(split_rng, digits.images, digits.target, pools[split], images, f"{split}_{k:05d}")
+                 for k in range(n)]
+        files[split] = root / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps(item) + "\n" for item in items))
+        texts += [turn["value"] for item in items for turn in item["conversations"]]
+    tok = build_demo_tokenizer(root / "tokenizer", texts)
+    return DemoPaths(root=root, train=files["train"], eval=files["eval"], images=images, tokenizer=tok)
+
+
+def _make_item(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, pool: np.ndarray, images: Path,
+               name: str) -> dict:
+    kind = KINDS[rng.choice(len(KINDS), p=KIND_WEIGHTS)]
+    if kind == "text":
+        d = int(rng.integers(0, 9))
+        return _item(name, [], TEXT_PROMPT.format(d=d), str(d + 1), [])
+    if kind == "single":
+        idx = int(rng.choice(pool))
+        side = int(rng.integers(56, 169))
+        width = int(side * rng.uniform(1.0, 1.5)) if rng.random() < 0.3 else side
+        _save(_render(rng, pix[idx], side, width), images / f"{name}.png")
+        prompt = "<image>\n" + str(rng.choice(SINGLE_PROMPTS))
+        return _item(name, [f"images/{name}.png"], prompt, str(labels[idx]), [idx])
+    if kind == "pair":
+        idx = rng.choice(pool, size=2)
+        paths = []
+        for j, i in enumerate(idx):
+            side = int(rng.integers(56, 141))
+            _save(_render(rng, pix[i], side, side), images / f"{name}_{j}.png")
+            paths.append(f"images/{name}_{j}.png")
+        answer = " ".join(str(labels[i]) for i in idx)
+        return _item(name, paths, "<image>\n<image>\n" + str(rng.choice(PAIR_PROMPTS)), answer, idx)
+    n = int(rng.integers(2, 4))
+    idx = rng.choice(pool, size=n)
+    cell = int(rng.integers(56, 85))
+    collage = np.concatenate([_render(rng, pix[i], cell, cell) for i in idx], axis=1)
+    _save(collage, images / f"{name}.png")
+    answer = " ".join(str(labels[i]) for i in idx)
+    return _item(name, [f"images/{name}.png"], "<image>\n" + str(rng.choice(COLLAGE_PROMPTS)), answer, idx)
+
+
+def _item(name: str, image_paths: list[str], prompt: str, answer: str, sources: Sequence[int] | np.ndarray) -> dict:
+    """A LLaVA record; ``digits`` lists the scikit-learn instances drawn (ignored by the loader, used by tests)."""
+    item: dict = {"id": name, "digits": [int(i) for i in sources]}
+    if len(image_paths) == 1:
+        item["image"] = image_paths[0]
+    elif image_paths:
+        item["image"] = image_paths
+    item["conversations"] = [{"from": "human", "value": prompt}, {"from": "gpt", "value": answer}]
+    return item
+
+
+def _render(rng: np.random.Generator, digit: np.ndarray, height: int, width: int) -> np.ndarray:
+    """An 8x8 digit (0..16) scaled to ~75-95% of ``height``, placed at random on a noisy dark canvas [H, W] uint8."""
+    size = int(height * rng.uniform(0.75, 0.95))
+    glyph = Image.fromarray((digit * (255.0 / 16.0)).astype(np.uint8), "L").resize((size, size), Image.BICUBIC)
+    canvas = np.full((height, width), float(rng.integers(0, 40)), dtype=np.float32)
+    top = int(rng.integers(0, height - size + 1))
+    left = int(rng.integers(0, width - size + 1))
+    canvas[top:top + size, left:left + size] += np.asarray(glyph, dtype=np.float32) * rng.uniform(0.75, 1.0)
+    canvas += rng.normal(0.0, 8.0, size=canvas.shape)
+    return np.clip(canvas, 0, 255).astype(np.uint8)
+
+
+def _save(arr: np.ndarray, path: Path) -> None:
+    Image.fromarray(arr, "L").save(path, optimize=False)
