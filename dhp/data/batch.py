@@ -92,7 +92,7 @@ def pack(samples: list[Sample]) -> Batch:
         position_ids=torch.cat([s.position_ids.long() for s in samples], dim=1)[:, None],
         targets=torch.cat([shifted_targets(s.labels.long()) for s in samples])[None],
         cu_seqlens=cu,
-        pixel_values=torch.cat(pixels).float() if pixels else torch.zeros(0, PATCH_DIM),
+        pixel_values=torch.cat(pixels).float(),
         image_grid_thw=torch.cat(grids),
         sample_ids=[s.index for s in samples],
     )
