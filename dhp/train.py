@@ -108,6 +108,7 @@ class StepStats:
     lr: float
     timings: dict[str, float] = field(default_factory=dict)
     router_bytes: int = 0
+    worker_memory_gb: float = 0.0  # peak over the workers (Ray backend)
 
 
 class Backend(Protocol):
@@ -217,13 +218,19 @@ def memory_gb() -> float:
 # ---- the run -----------------------------------------------------------------------------------
 
 
-def load_dataset(cfg: Config, tok: Tokenizer, path: Path) -> SFTDataset:
-    ds = SFTDataset(replace(cfg.data, path=str(path)), tok, path=str(path))
-    ds.validate()  # raises DataError naming file and sample (on_error=raise), or drops them (skip)
-    return ds
+def dataset_spec(cfg: Config, tokenizer_dir: Path, path: Path) -> dict:
+    """What a worker needs to open the same data set and address samples by the same ids."""
+    return {"data_cfg": replace(cfg.data, path=str(path)), "tokenizer_dir": str(tokenizer_dir), "path": str(path)}
 
 
-def make_backend(inputs: RunInputs, dataset: SFTDataset) -> Backend:
+def open_dataset(spec: dict) -> SFTDataset:
+    """The data set, validated when opened: a bad sample raises DataError naming file and sample
+    (``data.on_error=raise``) or is dropped and counted (``skip``); validation is deterministic, so
+    every worker that opens the same spec indexes the same samples."""
+    return SFTDataset(spec["data_cfg"], Tokenizer(spec["tokenizer_dir"]), path=spec["path"])
+
+
+def make_backend(inputs: RunInputs, dataset: SFTDataset, spec: dict) -> Backend:
     if inputs.cfg.runtime.backend == "local":
         for name in ("vision", "text"):
             p = getattr(inputs.cfg, name).parallel
@@ -234,7 +241,7 @@ def make_backend(inputs: RunInputs, dataset: SFTDataset) -> Backend:
         return LocalBackend(inputs, dataset)
     from dhp.runtime.backend import RayBackend
 
-    return RayBackend(inputs)
+    return RayBackend(inputs, spec)
 
 
 def train(cfg: Config) -> dict:
@@ -245,14 +252,15 @@ def train(cfg: Config) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, out / "config.yaml")
     tok = Tokenizer(inputs.tokenizer_dir)
-    dataset = load_dataset(cfg, tok, inputs.train_path)
+    spec = dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path)
+    dataset = open_dataset(spec)
     planner = BatchPlanner(
         dataset.lengths(), cfg.train.global_batch_size, cfg.train.micro_batch_size,
         text_dp=cfg.text.parallel.dp, vision_dp=cfg.vision.parallel.dp, seed=cfg.train.seed,
     )
     print(f"dhp: {len(dataset)} training samples from {inputs.train_path} ({len(dataset.skipped)} skipped); "
           f"backend {cfg.runtime.backend}; output {out}", flush=True)
-    backend = make_backend(inputs, dataset)
+    backend = make_backend(inputs, dataset, spec)
     metrics = MetricsLog(out, cfg.train.steps, cfg.train.log_every)
     start = time.perf_counter()
     try:
@@ -266,7 +274,8 @@ def train(cfg: Config) -> dict:
                 "step": step + 1, "epoch": plan.epoch, "loss": stats.loss, "lr": stats.lr,
                 "grad_norm": stats.grad_norm, "tokens": tokens, "supervised_tokens": stats.supervised_tokens,
                 "samples": len(plan.sample_ids), "step_time_s": dt, "tokens_per_s": tokens / dt,
-                "samples_per_s": len(plan.sample_ids) / dt, "memory_gb": memory_gb(),
+                "samples_per_s": len(plan.sample_ids) / dt,
+                "memory_gb": max(memory_gb(), stats.worker_memory_gb),
                 "skipped_samples": len(dataset.skipped),
                 **{f"time_{k}_s": v for k, v in stats.timings.items()},
             }
@@ -285,7 +294,7 @@ def train(cfg: Config) -> dict:
     if cfg.train.eval_at_end and inputs.eval_path is not None:
         from dhp.evaluate import evaluate
 
-        eval_ds = load_dataset(cfg, tok, inputs.eval_path)
+        eval_ds = open_dataset(dataset_spec(cfg, inputs.tokenizer_dir, inputs.eval_path))
         summary["eval"] = evaluate(model, eval_ds, tok, cfg.data.eval_samples, cfg.data.max_new_tokens)
     if cfg.output.save_final:
         final = out / "final"
