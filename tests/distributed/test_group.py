@@ -1,0 +1,180 @@
+"""The Ray mechanics with real actors on CPU/gloo: groups, process groups, dispatch, transfer, failures.
+
+One Ray instance (4 CPUs) for the file (conftest); the disaggregated 2+1 runtime
+is shared by the tests that only read it; workers ask for half a CPU so that it
+and the collocated 2+2 runtime fit side by side.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+from ray.exceptions import RayActorError
+from torch import nn
+
+from dhp.runtime import (
+    Broadcast,
+    DispatchError,
+    LayoutError,
+    Mode,
+    ModuleSpec,
+    Runtime,
+    WorkerBase,
+    WorkerError,
+    dispatch,
+    produces_tensors,
+)
+
+DIM = 5
+
+
+class ToyWorker(WorkerBase):
+    """A worker holding an nn.Linear, the same weights on every rank."""
+
+    def __init__(self, seed: int = 0):
+        torch.manual_seed(seed)
+        self.model = nn.Linear(DIM, 1)
+
+    @dispatch(Mode.SCATTER)
+    def dp_grads(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Data parallel: a summed loss on this rank's shard, gradients summed over the module group."""
+        self.model.zero_grad()
+        ((self.model(x).squeeze(-1) - y) ** 2).sum().backward()
+        for p in self.model.parameters():
+            dist.all_reduce(p.grad, group=self.pg)
+        return {n: p.grad.clone() for n, p in self.model.named_parameters()}
+
+    @dispatch(Mode.RANK_ZERO)
+    def coordinates(self) -> dict:
+        return self.dhp_coordinates()
+
+    def all_coordinates(self) -> dict:
+        return self.dhp_coordinates()
+
+    @produces_tensors
+    @dispatch(Mode.SCATTER)
+    def produce(self, seed: int, numel: int) -> torch.Tensor:
+        return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+    @dispatch(Mode.SCATTER)
+    def consume(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    def fail_on(self, rank: int) -> int:
+        if self.rank == rank:
+            raise ValueError(f"toy failure on purpose, rank {self.rank}")
+        return self.rank
+
+    def fail_during_collective(self, rank: int) -> None:
+        """Rank ``rank`` raises while the others wait in an all-reduce that can never finish."""
+        if self.rank == rank:
+            raise ValueError("toy failure inside a collective step")
+        dist.all_reduce(torch.ones(1), group=self.pg)
+
+
+def _spec(n: int) -> ModuleSpec:
+    return ModuleSpec(ToyWorker, n, {"seed": 0})
+
+
+@pytest.fixture(scope="module")
+def disagg(ray_cluster: dict) -> Runtime:
+    with Runtime({"vision": _spec(2), "text": _spec(1)}, placement="disaggregated", transport="direct",
+                 cpus_per_worker=0.5) as rt:
+        yield rt
+
+
+def _reference_grads(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Linear(DIM, 1)
+    ((model(x).squeeze(-1) - y) ** 2).sum().backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _check_dp_grads(rt: Runtime) -> None:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, DIM, generator=g), torch.randn(6, generator=g)
+    per_rank = rt["vision"].call("dp_grads", [x[:3], x[3:]], [y[:3], y[3:]])
+    ref = _reference_grads(x, y)
+    for grads in per_rank:
+        for name, value in ref.items():
+            torch.testing.assert_close(grads[name], value)
+
+
+def test_disaggregated_coordinates_and_dp_grads(disagg: Runtime) -> None:
+    vision = disagg["vision"].call("all_coordinates")
+    assert [(c["rank"], c["world_size"], c["global_rank"], c["global_world_size"]) for c in vision] == [
+        (0, 2, 0, 3),
+        (1, 2, 1, 3),
+    ]
+    text = disagg["text"].call("coordinates")  # RANK_ZERO: one dict, not a list
+    assert (text["module"], text["rank"], text["world_size"], text["global_rank"]) == ("text", 0, 1, 2)
+    _check_dp_grads(disagg)
+
+
+@pytest.mark.parametrize("transport", ["GLOO", None], ids=["direct", "object_store"])
+def test_tensor_moves_vision_to_text(disagg: Runtime, transport: str | None) -> None:
+    vision, text = disagg["vision"], disagg["text"]
+    assert vision.tensor_transport == "GLOO"
+    vision.tensor_transport = transport
+    try:
+        ref = vision.call("produce", [7, 8], [1000, 1000])[1]  # refs, never tensors, in the driver
+        assert isinstance(ref, ray.ObjectRef)
+        (got,) = text.call("consume", [ref])
+    finally:
+        vision.tensor_transport = "GLOO"
+    expected = torch.randn(1000, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(got, expected)
+
+
+def test_scatter_with_wrong_count_is_refused(disagg: Runtime) -> None:
+    with pytest.raises(DispatchError, match="3 items but the group has 2 ranks"):
+        disagg["vision"].call("dp_grads", [1, 2, 3], Broadcast(0))
+    with pytest.raises(DispatchError, match="must be a list with one item per rank"):
+        disagg["vision"].call("consume", torch.zeros(2))
+
+
+def _alive(run_id: str) -> list[str]:
+    """Names of live dhp actors of a run, from the GCS actor table (the state API needs the dashboard)."""
+    table = ray._private.state.actors().values()
+    return sorted(a["Name"] for a in table if a["State"] == "ALIVE" and a["Name"].startswith(f"dhp-{run_id}"))
+
+
+def test_layout_too_big_fails_before_any_actor(ray_cluster: dict) -> None:
+    before = _alive("")
+    rt = Runtime({"vision": _spec(2), "text": _spec(6)}, placement="disaggregated", cpus_per_worker=1.0)
+    with pytest.raises(LayoutError, match=r"asks for 8 CPUs in all but the Ray cluster has 4"):
+        rt.start()
+    assert rt.groups == {}
+    assert _alive("") == before
+
+
+def test_collocated_grads_errors_and_shutdown(ray_cluster: dict) -> None:
+    rt = Runtime({"vision": _spec(2), "text": _spec(2)}, placement="collocated", cpus_per_worker=0.5)
+    assert rt.plan.bundles == [{"CPU": 1.0}] * 2  # rank i of both modules in bundle i
+    try:
+        rt.start()
+        _check_dp_grads(rt)
+        with pytest.raises(WorkerError) as info:
+            rt["text"].call("fail_on", 1)
+        msg = str(info.value)
+        assert "text rank 1" in msg and "fail_on" in msg and "toy failure on purpose, rank 1" in msg
+        assert "worker traceback" in msg and 'raise ValueError(f"toy failure' in msg, msg
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"vision rank 0 failed in fail_during_collective[\s\S]*inside a coll"):
+            rt["vision"].call("fail_during_collective", 0)  # rank 1 stays stuck in all_reduce: must not hang
+        assert time.monotonic() - start < 20
+    finally:
+        actors = rt.actors()
+        rt.shutdown()
+    assert len(actors) == 4
+    for a in actors:
+        with pytest.raises(RayActorError):
+            ray.get(a.dhp_ping.remote(), timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(rt.run_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive(rt.run_id) == []
