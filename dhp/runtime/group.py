@@ -272,9 +272,16 @@ class WorkerGroup:
         transport = self.tensor_transport if is_tensor_producer(self.worker_cls, method) else None
         return [self._invoke(a, method, transport, ar, kw) for a, (ar, kw) in zip(self.actors, per_rank, strict=True)]
 
+    def submit_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        """Starts ``method`` on one rank only (no dispatch); producers use the group's tensor transport."""
+        transport = self.tensor_transport if is_tensor_producer(self.worker_cls, method) else None
+        return self._invoke(self.actors[rank], method, transport, args, kwargs)
+
     def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Runs ``method`` on one rank only (no dispatch)."""
-        ref = self._invoke(self.actors[rank], method, None, args, kwargs)
+        """Runs ``method`` on one rank only (no dispatch) and waits; a producer's result stays a ref."""
+        ref = self.submit_rank(rank, method, *args, **kwargs)
+        if is_tensor_producer(self.worker_cls, method):
+            return ref
         return self._gather(method, [ref], ranks=[rank])[0]
 
     @staticmethod
