@@ -479,6 +479,10 @@ class Runtime:
 
     def shutdown(self) -> None:
         """Kills every actor, removes the placement group; idempotent."""
+        if not ray.is_initialized():  # Ray already gone (atexit after ray.shutdown): so are the actors
+            self.groups, self.pg, self.setup = {}, None, None
+            atexit.unregister(self.shutdown)
+            return
         for g in self.groups.values():
             g.kill()
         if self.setup is not None and self.setup.collective is not None:

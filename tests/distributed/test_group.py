@@ -26,8 +26,12 @@ from dhp.runtime import (
     WorkerBase,
     WorkerError,
     dispatch,
+    plan_placement,
     produces_tensors,
+    resolve_transport,
+    start_ray,
 )
+from dhp.runtime.placement import check_fits
 
 DIM = 5
 
@@ -178,3 +182,22 @@ def test_collocated_grads_errors_and_shutdown(ray_cluster: dict) -> None:
     while _alive(rt.run_id) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _alive(rt.run_id) == []
+
+
+def test_plans_and_fit_checks_without_actors(ray_cluster: dict) -> None:
+    assert start_ray(None, None) is False  # already initialized: joins nothing, starts nothing
+    plan = plan_placement("disaggregated", {"vision": 2, "text": 6}, 1.0, 1.0)
+    assert len(plan.bundles) == 8 and plan.bundle_of[("text", 0)] == 2
+    assert plan.bundles[0] == {"CPU": 1.0, "GPU": 1.0}
+    col = plan_placement("collocated", {"vision": 2, "text": 1}, 1.0, 1.0)
+    assert col.bundles == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    assert col.actor_resources[("vision", 0)].num_gpus == 0.5 and col.actor_resources[("vision", 1)].num_gpus == 1.0
+    with pytest.raises(LayoutError, match="asks for 8 GPUs in all but the Ray cluster has 0"):
+        check_fits(plan, {"CPU": 64.0}, [])
+    with pytest.raises(LayoutError, match="does not fit on any single node"):
+        check_fits(col, {"CPU": 4.0, "GPU": 2.0}, [{"CPU": 1.5, "GPU": 1.0}, {"CPU": 2.5}])
+    with pytest.raises(LayoutError, match="at least one rank"):
+        plan_placement("disaggregated", {"vision": 0}, 1.0, 0.0)
+    assert resolve_transport("auto", "gloo", 0.0) == "GLOO"
+    assert resolve_transport("auto", "nccl", 0.5) is None  # shared GPU: object store
+    assert resolve_transport("object_store", "nccl", 1.0) is None
