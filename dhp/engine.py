@@ -133,7 +133,7 @@ class ModuleEngine:
         return self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
 
 class VisionEngine(ModuleEngine):

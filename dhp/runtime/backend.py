@@ -53,6 +53,7 @@ class RayBackend:
         self.cfg = cfg
         sizes = group_sizes(inputs)
         self.ahead = rt.vision_ahead if rt.placement == "disaggregated" else 0
+        self.vision_trains = cfg.vision.trainable or cfg.merger.trainable  # frozen: no backward at all
         self.runtime = Runtime(
             {"vision": ModuleSpec(VisionWorker, sizes["vision"]), "text": ModuleSpec(TextWorker, sizes["text"])},
             placement=rt.placement,
@@ -94,7 +95,8 @@ class RayBackend:
                 vision_refs.append(self._submit_vision_forward(j, rounds[j]))
                 embeds.append([self._embeds_for(j, rounds[j], r) for r in range(len(rounds[j].text))])
             loss_refs.append(self._submit_text(k, rounds[k], embeds[k]))
-            vision_refs.append(self._submit_vision_backward(k, rounds[k]))
+            if self.vision_trains:
+                vision_refs.append(self._submit_vision_backward(k, rounds[k]))
         losses = [self.text.get("forward_backward", refs) for refs in loss_refs]
         for refs in vision_refs:
             self.vision.get("forward/backward", refs)
