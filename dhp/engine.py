@@ -34,7 +34,7 @@ from dhp.models.qwen2_5_vl import Qwen2_5_VLConfig
 from dhp.models.qwen2_5_vl.text import TextModel
 from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_weights
 
-SampleLoader = Callable[[int], Sample]
+SampleLoader = Callable[..., Sample]  # (sample_id, pixels: bool) -> Sample
 
 
 def lr_lambda(cfg: Config) -> Callable[[int], float]:
@@ -208,7 +208,7 @@ class TextEngine(ModuleEngine):
         self, sample_ids: list[int], embeds: dict[int, torch.Tensor]
     ) -> tuple[float, int, dict[int, torch.Tensor]]:
         """Summed loss, supervised tokens, and d(summed loss)/d(embeds) per sample."""
-        samples = [self.load(i) for i in sample_ids]
+        samples = [self.load(i, pixels=False) for i in sample_ids]  # image grids only: no pixel decoding
         batch = pack(samples)
         with_images = [s.index for s in samples if s.image_grid_thw.shape[0]]
         leaves = {i: embeds[i].to(self.device).requires_grad_(self.embeds_need_grad) for i in with_images}

@@ -130,8 +130,8 @@ class LocalBackend:
     def __init__(self, inputs: RunInputs, dataset: SFTDataset) -> None:
         cfg, mcfg = inputs.cfg, inputs.model_cfg
         self.cfg = cfg
-        self.vision = VisionEngine(mcfg, cfg, dataset.__getitem__, state=module_state(inputs.init_state, "visual"))
-        self.text = TextEngine(mcfg, cfg, dataset.__getitem__, state=module_state(inputs.init_state, "language"))
+        self.vision = VisionEngine(mcfg, cfg, dataset.get, state=module_state(inputs.init_state, "visual"))
+        self.text = TextEngine(mcfg, cfg, dataset.get, state=module_state(inputs.init_state, "language"))
 
     def run_step(self, plan: StepPlan) -> StepStats:
         t = {"vision_forward": 0.0, "text_forward_backward": 0.0, "vision_backward": 0.0}

@@ -24,7 +24,7 @@ class Sample:
     input_ids: torch.Tensor  # [L] long
     labels: torch.Tensor  # [L] long, -100 where not supervised (not shifted)
     position_ids: torch.Tensor  # [3, L] long (M-RoPE)
-    pixel_values: torch.Tensor  # [N, 1176] float, N = 0 for text-only
+    pixel_values: torch.Tensor  # [N, 1176] float; N = 0 for text-only, or when loaded with pixels=False
     image_grid_thw: torch.Tensor  # [I, 3] long, I may be 0
 
     @property
@@ -33,7 +33,8 @@ class Sample:
 
     @property
     def num_patches(self) -> int:
-        return int(self.pixel_values.shape[0])
+        """Patches of all images (from the grids, so it holds for a sample loaded without pixels too)."""
+        return int(self.image_grid_thw.prod(-1).sum()) if self.image_grid_thw.shape[0] else 0
 
     @property
     def num_image_tokens(self) -> int:

@@ -22,7 +22,7 @@ from PIL import Image
 from dhp.config import DataConfig
 from dhp.data.batch import Sample
 from dhp.data.mrope import rope_index
-from dhp.data.processor import image_tokens, process_image, smart_resize
+from dhp.data.processor import PATCH_DIM, grid_thw_for_size, image_tokens, process_image, smart_resize
 from dhp.data.tokenizer import IMAGE_PLACEHOLDER, Tokenizer
 
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -102,18 +102,25 @@ class SFTDataset:
         return [self._lengths[k] for k in self._good]
 
     def __getitem__(self, i: int) -> Sample:
+        return self.get(i)
+
+    def get(self, i: int, pixels: bool = True) -> Sample:
+        """Sample ``i``; ``pixels=False`` skips decoding the images (the text side needs only their grids)."""
         if not 0 <= i < len(self._good):
             raise IndexError(f"{self.file}: sample {i} out of range (dataset has {len(self._good)} samples)")
         rec = self._records[self._good[i]]
-        pixels, grids = [], []
+        values, grids = [], []
         for img_path in rec.images:
             try:
                 with Image.open(img_path) as img:
-                    pv, grid = process_image(img, self.cfg.min_pixels, self.cfg.max_pixels)
+                    if pixels:
+                        pv, grid = process_image(img, self.cfg.min_pixels, self.cfg.max_pixels)
+                        values.append(pv)
+                    else:
+                        grid = torch.tensor(grid_thw_for_size(*img.size, self.cfg.min_pixels, self.cfg.max_pixels))
             except (OSError, ValueError) as e:
                 raise DataError(f"{self.file} sample {rec.index}: image {img_path} cannot be processed ({e}); "
                                 "fix or remove the file, or drop the sample") from e
-            pixels.append(pv)
             grids.append(grid)
         grid_thw = torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
         counts = [int(g.prod()) // 4 for g in grids]
@@ -125,7 +132,7 @@ class SFTDataset:
             input_ids=input_ids,
             labels=torch.tensor(labels, dtype=torch.long),
             position_ids=positions[:, 0],
-            pixel_values=torch.cat(pixels) if pixels else torch.zeros(0, 1176),
+            pixel_values=torch.cat(values) if values else torch.zeros(0, PATCH_DIM),
             image_grid_thw=grid_thw,
         )
 

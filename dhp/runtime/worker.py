@@ -85,7 +85,7 @@ class VisionWorker(EngineWorker):
     module = "vision"
 
     def init_engine(self, spec: dict[str, Any]) -> None:
-        self.engine = VisionEngine(spec["model_cfg"], spec["cfg"], self._dataset(spec).__getitem__,
+        self.engine = VisionEngine(spec["model_cfg"], spec["cfg"], self._dataset(spec).get,
                                    dp_group=self.pg, state=spec["state"])
         self.outputs: dict[Any, dict[int, torch.Tensor]] = {}
 
@@ -117,7 +117,7 @@ class TextWorker(EngineWorker):
     module = "text"
 
     def init_engine(self, spec: dict[str, Any]) -> None:
-        self.engine = TextEngine(spec["model_cfg"], spec["cfg"], self._dataset(spec).__getitem__,
+        self.engine = TextEngine(spec["model_cfg"], spec["cfg"], self._dataset(spec).get,
                                  dp_group=self.pg, state=spec["state"])
         self.grads: dict[Any, dict[int, torch.Tensor]] = {}
 

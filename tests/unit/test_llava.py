@@ -159,3 +159,20 @@ def test_all_bad_or_missing_file(tmp_path: Path, tok: Tokenizer) -> None:
     path = _write_jsonl(tmp_path / "t.jsonl", [{"conversations": []}])
     with pytest.raises(DataError, match="no usable samples"):
         SFTDataset(replace(CFG, on_error="skip"), tok, path)
+
+
+def test_loading_without_pixels_gives_the_same_sample_but_pixels(demo_data):
+    from dhp.config import DataConfig
+    from dhp.data.llava import SFTDataset
+    from dhp.data.tokenizer import Tokenizer
+
+    ds = SFTDataset(DataConfig(path=str(demo_data.train)), Tokenizer(demo_data.tokenizer))
+    checked = 0
+    for i in range(8):
+        full, light = ds.get(i), ds.get(i, pixels=False)
+        assert torch.equal(full.input_ids, light.input_ids) and torch.equal(full.labels, light.labels)
+        assert torch.equal(full.position_ids, light.position_ids)
+        assert torch.equal(full.image_grid_thw, light.image_grid_thw)
+        assert light.pixel_values.shape[0] == 0 and light.num_patches == full.pixel_values.shape[0]
+        checked += full.num_patches > 0
+    assert checked >= 4
