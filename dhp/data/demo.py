@@ -69,7 +69,7 @@ def ensure_demo_dataset() -> Path:
     return target
 
 
-def make_demo_dataset(out_dir: str | Path, seed: int = 0, n_train: int = 2000, n_eval: int = 200) -> DemoPaths:
+def make_demo_dataset(out_dir: str | Path, seed: int = 0, n_train: int = 8000, n_eval: int = 200) -> DemoPaths:
     """Write ``train.jsonl``, ``eval.jsonl`` (LLaVA format), ``images/*.png`` and ``tokenizer/``; deterministic."""
     from sklearn.datasets import load_digits
 
@@ -144,7 +144,7 @@ def _render(rng: np.random.Generator, digit: np.ndarray, height: int, width: int
     top = int(rng.integers(0, height - size + 1))
     left = int(rng.integers(0, width - size + 1))
     canvas[top:top + size, left:left + size] += np.asarray(glyph, dtype=np.float32) * rng.uniform(0.75, 1.0)
-    canvas += rng.normal(0.0, 8.0, size=canvas.shape)
+    canvas += rng.normal(0.0, 4.0, size=canvas.shape)
     return np.clip(canvas, 0, 255).astype(np.uint8)
 
 
