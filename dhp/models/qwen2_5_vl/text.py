@@ -19,9 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dhp.models.layers import RMSNorm, SwiGLU, apply_rotary, packed_attention
 from dhp.models.qwen2_5_vl.config import TextConfig
+from dhp.parallel.tensor import vocab_parallel_cross_entropy_sum
 
 
 class MRotary(nn.Module):
@@ -139,8 +141,13 @@ class TextModel(nn.Module):
         image_embeds: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Summed next-token cross entropy; ``targets [B, L]`` are already shifted (-100: not supervised)."""
+        """Summed next-token cross entropy; ``targets [B, L]`` are already shifted (-100: not supervised).
+
+        Under tensor parallelism (``parallelize_text``) the logits are a DTensor sharded on the vocabulary and
+        the loss is the vocab-parallel cross entropy: the same float32 sum, a plain scalar on every rank."""
         logits = self.forward(input_ids, position_ids, image_embeds, cu_seqlens)
+        if isinstance(logits, DTensor):  # tensor parallel: logits sharded on the vocabulary, never gathered
+            return vocab_parallel_cross_entropy_sum(logits, targets)
         return F.cross_entropy(
             logits.view(-1, logits.shape[-1]).float(), targets.view(-1), ignore_index=-100, reduction="sum"
         )

@@ -1,0 +1,149 @@
+"""Tensor-parallel plans for Qwen2.5-VL: the language model (the plan dhp uses) and the vision encoder (a baseline).
+
+Why TP for the text side: the language model's memory is weights and optimizer
+state (7B-72B), so each rank keeps 1/tp of every projection. Why TP for vision
+at all: the published comparison is against *uniform* TP (one strategy for the
+whole model); ``parallelize_vision_tp`` is that baseline, not what dhp
+recommends for the encoder (Ulysses SP, see ``dhp.parallel.ulysses``).
+
+Plans are data, ``{module path: ParallelStyle}``, applied with PyTorch's
+``parallelize_module`` (DTensor) by short functions, as in torchtitan:
+
+text, per decoder layer
+    q/k/v/gate/up  ColwiseParallel          (each rank: whole heads, a slice of the MLP)
+    o/down         RowwiseParallel          (all-reduce back to a full activation)
+text, top level
+    embed_tokens   RowwiseParallel(Replicate in, Replicate out): vocab-parallel table, the output is a full
+                   plain tensor so ``TextModel.embed`` can ``masked_scatter`` image embeddings into it
+    lm_head        ColwiseParallel(output Shard(-1), DTensor out): logits stay sharded on the vocabulary and
+                   ``TextModel.loss_sum`` takes a vocab-parallel cross entropy (``dhp.parallel.tensor``)
+vision, per block
+    attn.qkv       FusedQKVColwise: the fused [3C, C] weight is (3, heads, head_dim) on its rows; its rows are
+                   re-ordered so that rank r holds q, k and v of heads [r*H/tp, (r+1)*H/tp)
+    attn.proj      RowwiseParallel;   mlp gate/up Colwise, down Rowwise
+    patch_embed, norms, merger: replicated (plain tensors)
+
+Tied embeddings (``tie_word_embeddings``, the 3B preset) are supported: embed_tokens and lm_head both shard
+their [V, D] weight on the vocabulary (``Shard(0)``), so after the plan they share one DTensor again.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from dhp.models.qwen2_5_vl.text import TextModel
+from dhp.models.qwen2_5_vl.vision import VisionTransformer
+from dhp.parallel.tensor import check_tp, check_vision_tp
+
+
+def _tp_size(mesh: DeviceMesh) -> int:
+    if mesh.ndim != 1:
+        raise ValueError(f"tensor parallelism expects a 1-D mesh (the TP dimension), got {mesh.ndim}-D: {mesh}")
+    return mesh.size()
+
+
+# ---- language model -----------------------------------------------------------------------------------------
+def text_top_plan() -> dict[str, ParallelStyle]:
+    return {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def text_layer_plan() -> dict[str, ParallelStyle]:
+    return {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+
+
+def parallelize_text(model: TextModel, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Shard ``model`` in place over ``tp_mesh`` (1-D). Afterwards ``model(...)`` returns logits as a DTensor
+    sharded on the vocabulary (``.full_tensor()`` gathers them) and ``model.loss_sum`` the summed CE as a plain
+    float32 scalar, equal on every rank. Inputs (ids, positions, image embeddings) are full and equal on every
+    rank; the gradient of ``image_embeds`` comes out full and equal on every rank."""
+    tp = _tp_size(tp_mesh)
+    check_tp(model.cfg.num_key_value_heads, tp)
+    if sequence_parallel:
+        raise NotImplementedError(
+            "sequence_parallel=True (Megatron SP of the norms) is not implemented: the text plan keeps "
+            "activations replicated between blocks; use sequence_parallel=False"
+        )
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    parallelize_module(model, tp_mesh, text_top_plan())
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, text_layer_plan())
+    if tied:  # both halves were sharded Shard(0) on the vocabulary: share one DTensor again
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+# ---- vision encoder (uniform-TP baseline) -----------------------------------------------------------------------
+def qkv_rows_to_rank_order(t: torch.Tensor, num_heads: int, tp: int) -> torch.Tensor:
+    """Rows of a fused qkv weight/bias from (3, H, hd) order to (tp, 3, H/tp, hd): rank r's rows contiguous."""
+    rest = t.shape[1:]
+    return t.reshape(3, tp, num_heads // tp, -1, *rest).transpose(0, 1).reshape(t.shape)
+
+
+def qkv_rows_from_rank_order(t: torch.Tensor, num_heads: int, tp: int) -> torch.Tensor:
+    """Inverse of ``qkv_rows_to_rank_order`` (for a gathered weight or gradient, e.g. to save a checkpoint)."""
+    rest = t.shape[1:]
+    return t.reshape(tp, 3, num_heads // tp, -1, *rest).transpose(0, 1).reshape(t.shape)
+
+
+class FusedQKVColwise(ColwiseParallel):
+    """ColwiseParallel for a fused qkv Linear whose output rows are (3, heads, head_dim).
+
+    Plain ``Shard(0)`` would give rank 0 the q rows of all heads only. The rows are first re-ordered by
+    ``qkv_rows_to_rank_order``, so each rank's contiguous shard is (3, H/tp, head_dim): q, k and v of its own
+    heads, and the attention's ``view(seq, 3, heads, -1)`` works unchanged with the local head count.
+    The DTensor's *global* row order is therefore the rank order (undo with ``qkv_rows_from_rank_order``).
+    """
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        tp = device_mesh.size()
+        for pname, param in module.named_parameters(recurse=False):
+            data = qkv_rows_to_rank_order(param.detach(), self.num_heads, tp)
+            dist_param = nn.Parameter(
+                distribute_tensor(data, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(pname, dist_param)
+
+
+def vision_block_plan(num_heads: int) -> dict[str, ParallelStyle]:
+    return {
+        "attn.qkv": FusedQKVColwise(num_heads),
+        "attn.proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+
+
+def parallelize_vision_tp(model: VisionTransformer, tp_mesh: DeviceMesh) -> None:
+    """Uniform-TP baseline: shard every vision block over ``tp_mesh`` (1-D); patch_embed, norms and merger stay
+    replicated. Inputs and the output (image embeddings) are full and equal on every rank."""
+    tp = _tp_size(tp_mesh)
+    heads = model.cfg.num_heads
+    check_vision_tp(heads, tp)
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, vision_block_plan(heads))
+        block.attn.num_heads = heads // tp  # the attention views the local qkv output with the local head count

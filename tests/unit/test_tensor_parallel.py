@@ -1,0 +1,162 @@
+"""Tensor parallelism (DTensor, gloo, 2 processes) against the unsharded single-process modules.
+
+One spawn runs every sharded case (text, text with tied embeddings, vision) and returns gathered logits, losses,
+gradients and grad norms; the tests compare them with the same modules built from the same seed, unsharded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dhp.models.qwen2_5_vl import build_model
+from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig, tiny
+from dhp.models.qwen2_5_vl.parallelize import parallelize_text, parallelize_vision_tp, qkv_rows_from_rank_order
+from dhp.parallel.tensor import check_tp, check_vision_tp, grad_norm_sq
+from tests.dist_utils import run_distributed
+
+TP = 2
+IMAGE = 290
+GRID = [[1, 8, 12]]  # 8x12 patches: 4x6 merged tokens, two windows (one padded), 96 patches
+
+
+def text_cfg(tie: bool = False) -> Qwen2_5_VLConfig:
+    from dataclasses import replace
+
+    # vocab 301: uneven vocabulary shards (151 + 150) on 2 ranks
+    cfg = tiny(vocab_size=301, image_token_id=IMAGE, video_token_id=291, vision_start_token_id=292,
+               vision_end_token_id=293)
+    return replace(cfg, text=replace(cfg.text, tie_word_embeddings=tie))
+
+
+def text_inputs(cfg: Qwen2_5_VLConfig) -> dict[str, torch.Tensor]:
+    """Two packed samples in one row [1, 40]: 11 + 6 image slots + 4, then 19 text tokens; some targets ignored."""
+    g = torch.Generator().manual_seed(1)
+    first = torch.randint(0, 280, (11,), generator=g).tolist() + [IMAGE] * 6
+    first += torch.randint(0, 280, (4,), generator=g).tolist()
+    second = torch.randint(0, 280, (19,), generator=g).tolist()
+    ids = torch.tensor([first + second])
+    seq = ids.shape[1]
+    pos = torch.cat([torch.arange(len(first)), torch.arange(len(second))]).view(1, 1, seq).expand(3, 1, seq)
+    targets = torch.randint(0, cfg.text.vocab_size, (1, seq), generator=g)
+    targets[0, :5] = -100
+    targets[0, len(first) - 1] = -100
+    targets[0, -3] = cfg.text.vocab_size - 1  # the last column, on the last shard
+    return {
+        "input_ids": ids,
+        "position_ids": pos.contiguous(),
+        "targets": targets,
+        "image_embeds": torch.randn(6, cfg.text.hidden_size, generator=g),
+        "cu_seqlens": torch.tensor([0, len(first), seq]),
+    }
+
+
+def vision_inputs(cfg: Qwen2_5_VLConfig) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    n = sum(t * h * w for t, h, w in GRID)
+    return {
+        "pixel_values": torch.randn(n, cfg.vision.patch_dim, generator=g),
+        "grid_thw": torch.tensor(GRID),
+        "weight": torch.randn(n // 4, cfg.vision.out_hidden_size, generator=g),
+    }
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def run_text(model: torch.nn.Module, x: dict[str, torch.Tensor]) -> dict[str, Any]:
+    embeds = x["image_embeds"].clone().requires_grad_()
+    args = (x["input_ids"], x["position_ids"])
+    with torch.no_grad():
+        logits = full(model(*args, x["image_embeds"], x["cu_seqlens"]))
+    loss = model.loss_sum(*args, x["targets"], embeds, x["cu_seqlens"])
+    loss.backward()
+    grads = {n: full(p.grad) for n, p in model.named_parameters()}
+    return {"logits": logits, "loss": loss.detach(), "grads": grads, "embeds_grad": embeds.grad,
+            "norm_sq": grad_norm_sq(model.parameters())}
+
+
+def run_vision(model: torch.nn.Module, x: dict[str, torch.Tensor], tp: int) -> dict[str, Any]:
+    out = model(x["pixel_values"], x["grid_thw"])
+    (out * x["weight"]).sum().backward()
+    grads = {n: full(p.grad) for n, p in model.named_parameters()}
+    if tp > 1:  # the sharded fused qkv rows are in rank order
+        heads = model.cfg.num_heads
+        for n in grads:
+            if ".attn.qkv." in n:
+                grads[n] = qkv_rows_from_rank_order(grads[n], heads, tp)
+    return {"out": out.detach(), "grads": grads, "norm_sq": grad_norm_sq(model.parameters())}
+
+
+def _sharded_worker(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(123 + rank)  # the plans must not depend on the rank's RNG
+    mesh = DeviceMesh("cpu", list(range(world_size)))
+    results: dict[str, Any] = {}
+    for tie in (False, True):
+        cfg = text_cfg(tie)
+        text = build_model(cfg, seed=0).language
+        parallelize_text(text, mesh)
+        results[f"text_tie{tie}"] = run_text(text, text_inputs(cfg))
+    cfg = text_cfg()
+    vision = build_model(cfg, seed=0).visual
+    parallelize_vision_tp(vision, mesh)
+    results["vision"] = run_vision(vision, vision_inputs(cfg), world_size)
+    return results
+
+
+@pytest.fixture(scope="module")
+def sharded() -> list[dict[str, Any]]:
+    return run_distributed(_sharded_worker, TP, timeout_s=120)
+
+
+def reference_text(tie: bool) -> dict[str, Any]:
+    cfg = text_cfg(tie)
+    return run_text(build_model(cfg, seed=0).language, text_inputs(cfg))
+
+
+def assert_grads_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == ref.keys()
+    for name, g in got.items():
+        r = ref[name]
+        assert g.shape == r.shape, name
+        err = (g - r).abs().max().item() / max(r.abs().max().item(), 1e-12)
+        assert err < 1e-4, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_text_tp_matches_unsharded(sharded, tie):
+    ref = reference_text(tie)
+    for rank, res in enumerate(sharded):
+        got = res[f"text_tie{tie}"]
+        assert got["logits"].shape == ref["logits"].shape
+        assert (got["logits"] - ref["logits"]).abs().max().item() < 1e-5, rank
+        assert abs(got["loss"].item() - ref["loss"].item()) < 1e-5 * max(1.0, abs(ref["loss"].item()) / 100), rank
+        assert got["loss"].dtype == torch.float32
+        assert_grads_close(got["grads"], ref["grads"])
+        assert (got["embeds_grad"] - ref["embeds_grad"]).abs().max().item() < 1e-6, rank
+        assert got["norm_sq"] == pytest.approx(ref["norm_sq"], rel=1e-6), rank
+
+
+def test_vision_tp_matches_unsharded(sharded):
+    cfg = text_cfg()
+    ref = run_vision(build_model(cfg, seed=0).visual, vision_inputs(cfg), tp=1)
+    for rank, res in enumerate(sharded):
+        got = res["vision"]
+        assert (got["out"] - ref["out"]).abs().max().item() < 1e-5, rank
+        assert_grads_close(got["grads"], ref["grads"])
+        # plain (norms, merger), Replicate DTensors (row-parallel biases) and shards each counted once
+        assert got["norm_sq"] == pytest.approx(ref["norm_sq"], rel=1e-6), rank
+
+
+def test_check_tp_names_the_kv_heads():
+    with pytest.raises(ValueError, match="KV heads"):
+        check_tp(2, 4)
+    check_tp(2, 2)
+    with pytest.raises(ValueError, match="vision attention heads"):
+        check_vision_tp(16, 3)
+
