@@ -1,0 +1,1 @@
+"""Parallelism for one module group: sequence parallelism (Ulysses), tensor parallelism, data sharding."""
