@@ -33,12 +33,12 @@ def text_cfg(tie: bool = False) -> Qwen2_5_VLConfig:
     return replace(cfg, text=replace(cfg.text, tie_word_embeddings=tie))
 
 
-def text_inputs(cfg: Qwen2_5_VLConfig) -> dict[str, torch.Tensor]:
-    """Two packed samples in one row [1, 40]: 11 + 6 image slots + 4, then 19 text tokens; some targets ignored."""
+def text_inputs(cfg: Qwen2_5_VLConfig, extra: int = 0) -> dict[str, torch.Tensor]:
+    """Two packed samples in one row [1, 40 + extra]: 11 + 6 image slots + 4, then 19 + extra text tokens."""
     g = torch.Generator().manual_seed(1)
     first = torch.randint(0, 280, (11,), generator=g).tolist() + [IMAGE] * 6
     first += torch.randint(0, 280, (4,), generator=g).tolist()
-    second = torch.randint(0, 280, (19,), generator=g).tolist()
+    second = torch.randint(0, 280, (19 + extra,), generator=g).tolist()
     ids = torch.tensor([first + second])
     seq = ids.shape[1]
     pos = torch.cat([torch.arange(len(first)), torch.arange(len(second))]).view(1, 1, seq).expand(3, 1, seq)
@@ -102,6 +102,15 @@ def _sharded_worker(rank: int, world_size: int) -> dict[str, Any]:
         text = build_model(cfg, seed=0).language
         parallelize_text(text, mesh)
         results[f"text_tie{tie}"] = run_text(text, text_inputs(cfg))
+    for extra in (0, 1):  # sequence parallel, T = 40 and T = 41 (padded to 42 inside)
+        cfg = text_cfg()
+        text = build_model(cfg, seed=0).language
+        parallelize_text(text, mesh, sequence_parallel=True)
+        shapes: list[tuple[int, ...]] = []
+        text.layers[0].register_forward_hook(lambda m, a, out, shapes=shapes: shapes.append(tuple(out.shape)))
+        results[f"text_sp{extra}"] = run_text(text, text_inputs(cfg, extra))
+        results[f"text_sp{extra}"]["residual_shape"] = shapes[0]
+        results[f"text_sp{extra}"]["norm_grad_placements"] = str(text.norm.weight.grad.placements)
     cfg = text_cfg()
     vision = build_model(cfg, seed=0).visual
     parallelize_vision_tp(vision, mesh)
@@ -114,9 +123,9 @@ def sharded() -> list[dict[str, Any]]:
     return run_distributed(_sharded_worker, TP, timeout_s=120)
 
 
-def reference_text(tie: bool) -> dict[str, Any]:
+def reference_text(tie: bool, extra: int = 0) -> dict[str, Any]:
     cfg = text_cfg(tie)
-    return run_text(build_model(cfg, seed=0).language, text_inputs(cfg))
+    return run_text(build_model(cfg, seed=0).language, text_inputs(cfg, extra))
 
 
 def assert_grads_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
@@ -128,11 +137,15 @@ def assert_grads_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
         assert err < 1e-4, f"{name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_text_tp_matches_unsharded(sharded, tie):
-    ref = reference_text(tie)
+@pytest.mark.parametrize(
+    ("case", "tie", "extra"),
+    [("text_tieFalse", False, 0), ("text_tieTrue", True, 0), ("text_sp0", False, 0), ("text_sp1", False, 1)],
+    ids=["untied", "tied", "sequence_parallel", "sequence_parallel_padded"],
+)
+def test_text_tp_matches_unsharded(sharded, case, tie, extra):
+    ref = reference_text(tie, extra)
     for rank, res in enumerate(sharded):
-        got = res[f"text_tie{tie}"]
+        got = res[case]
         assert got["logits"].shape == ref["logits"].shape
         assert (got["logits"] - ref["logits"]).abs().max().item() < 1e-5, rank
         assert abs(got["loss"].item() - ref["loss"].item()) < 1e-5 * max(1.0, abs(ref["loss"].item()) / 100), rank
@@ -140,6 +153,9 @@ def test_text_tp_matches_unsharded(sharded, tie):
         assert_grads_close(got["grads"], ref["grads"])
         assert (got["embeds_grad"] - ref["embeds_grad"]).abs().max().item() < 1e-6, rank
         assert got["norm_sq"] == pytest.approx(ref["norm_sq"], rel=1e-6), rank
+        if "residual_shape" in got:  # the residual stream really is a sequence shard: ceil(T / tp) tokens
+            assert got["residual_shape"] == (1, -(-ref["logits"].shape[1] // TP), text_cfg().text.hidden_size)
+            assert got["norm_grad_placements"] == "(Replicate(),)"  # reduced after backward, not left Partial
 
 
 def test_vision_tp_matches_unsharded(sharded):

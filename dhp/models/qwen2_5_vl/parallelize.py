@@ -30,13 +30,16 @@ their [V, D] weight on the vocabulary (``Shard(0)``), so after the plan they sha
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -71,24 +74,113 @@ def text_layer_plan() -> dict[str, ParallelStyle]:
     }
 
 
+def text_sp_top_plan() -> dict[str, ParallelStyle]:
+    """Sequence parallel: the final norm sees a sequence shard; lm_head gathers the sequence, shards the vocab."""
+    return {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def text_sp_layer_plan() -> dict[str, ParallelStyle]:
+    """Megatron SP: norms (and the residual stream) on a sequence shard, attention/MLP on the whole sequence."""
+    return {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+class _SequencePadding:
+    """Forward hooks that make a packed ``[1, T, D]`` sequence shardable: pad T to a multiple of tp, and cut.
+
+    Before every decoder layer the rotary tables and ``cu_seqlens`` (computed by ``hidden_states`` for the
+    true length T) get ``p = -T % tp`` more positions, the padding being one extra segment of its own, so no
+    real token attends to it. Before the first layer the full embedding ``[1, T, D]`` (replicated: image
+    embeddings are scattered into it) is padded and cut to this rank's shard, through DTensor so that the
+    backward all-gathers its gradient. After ``lm_head`` the logits lose the padding again: callers see
+    ``[1, T, V]``."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.tp = mesh.size()
+        self.length = 0  # true T of the current forward
+
+    def _pad(self, seq: int) -> int:
+        return -seq % self.tp
+
+    def first_layer(self, module: nn.Module, args: tuple) -> tuple:
+        x, rope, cu_seqlens = args
+        if x.shape[0] != 1:
+            raise ValueError(
+                f"sequence_parallel needs packed sequences of batch size 1 ([1, T, D]); got batch {x.shape[0]}"
+            )
+        self.length = x.shape[1]
+        x = F.pad(x, (0, 0, 0, self._pad(self.length)))
+        x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
+        return self.every_layer(module, (x.to_local(), rope, cu_seqlens))
+
+    def every_layer(self, module: nn.Module, args: tuple) -> tuple:
+        x, (cos, sin), cu_seqlens = args
+        p = self._pad(cos.shape[1])
+        if p:
+            cos, sin = (F.pad(r, (0, 0, 0, p)) for r in (cos, sin))
+            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:] + p])
+        return x, (cos, sin), cu_seqlens
+
+    def unpad_logits(self, module: nn.Module, args: tuple, logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, : self.length] if logits.shape[1] != self.length else logits
+
+
 def parallelize_text(model: TextModel, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
     """Shard ``model`` in place over ``tp_mesh`` (1-D). Afterwards ``model(...)`` returns logits as a DTensor
     sharded on the vocabulary (``.full_tensor()`` gathers them) and ``model.loss_sum`` the summed CE as a plain
     float32 scalar, equal on every rank. Inputs (ids, positions, image embeddings) are full and equal on every
-    rank; the gradient of ``image_embeds`` comes out full and equal on every rank."""
+    rank; the gradient of ``image_embeds`` comes out full and equal on every rank.
+
+    ``sequence_parallel``: Megatron-style SP; between blocks each rank keeps ``T/tp`` tokens of the residual
+    stream (activation memory / tp); inputs must be packed ``[1, T]`` and T is padded to a multiple of tp
+    internally (outputs are unpadded). The norm weights become ``Replicate`` DTensors whose gradients are
+    all-reduced by a hook after each backward."""
     tp = _tp_size(tp_mesh)
     check_tp(model.cfg.num_key_value_heads, tp)
-    if sequence_parallel:
-        raise NotImplementedError(
-            "sequence_parallel=True (Megatron SP of the norms) is not implemented: the text plan keeps "
-            "activations replicated between blocks; use sequence_parallel=False"
-        )
     tied = model.lm_head.weight is model.embed_tokens.weight
-    parallelize_module(model, tp_mesh, text_top_plan())
+    if sequence_parallel:
+        top, layer_plan = text_sp_top_plan(), text_sp_layer_plan()
+    else:
+        top, layer_plan = text_top_plan(), text_layer_plan()
+    parallelize_module(model, tp_mesh, top)
     for layer in model.layers:
-        parallelize_module(layer, tp_mesh, text_layer_plan())
+        parallelize_module(layer, tp_mesh, layer_plan)
     if tied:  # both halves were sharded Shard(0) on the vocabulary: share one DTensor again
         model.lm_head.weight = model.embed_tokens.weight
+    if sequence_parallel:
+        padding = _SequencePadding(tp_mesh)
+        for i, layer in enumerate(model.layers):
+            layer.register_forward_pre_hook(padding.first_layer if i == 0 else padding.every_layer, prepend=True)
+        model.lm_head.register_forward_hook(padding.unpad_logits)
+        for param in model.parameters():  # the norm weights: their grads come out Partial (a sum per shard)
+            if isinstance(param, DTensor) and param.placements == (Replicate(),):
+                param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+
+
+def _reduce_partial_grad(param: torch.Tensor) -> None:
+    """Sum a replicated parameter's Partial gradient over the TP ranks once per backward (Megatron's all-reduce
+    of SP norm grads), so optimizers, clipping and checkpoints see an ordinary Replicate gradient."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(placements=[Replicate()])
 
 
 # ---- vision encoder (uniform-TP baseline) -----------------------------------------------------------------------
