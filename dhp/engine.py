@@ -1,21 +1,25 @@
-"""Module engines: one module of the model, its optimizer and schedule, driven by sample ids.
+"""Module engines: one module of the model, its parallel layout, optimizer and schedule, driven by sample ids.
 
 The single-process reference trainer and every Ray worker run these same
-classes; a layout only adds collectives (gradient all-reduce over the ranks that
-hold partial gradients). That is what makes "every layout equals the reference"
-a property of the code rather than a coincidence of two implementations.
+classes; a layout only adds collectives. That is what makes "every layout
+equals the reference" a property of the code rather than a coincidence of two
+implementations.
 
 Per micro-batch the driver calls::
 
-    embeds = vision.forward(key, sample_ids)            # {sample_id: [n_img_tokens, D]}
-    loss_sum, n, grads = text.forward_backward(ids, embeds)
-    vision.backward(key, grads, sample_ids)
+    pieces = vision.forward(key, sample_ids)     # {sample_id: (token_index [n], embeddings [n, D])}
+    loss_sum, n, grads = text.forward_backward(ids, pieces)   # grads: {sample_id: [n_img_tokens, D]}
+    vision.backward(key, grads)
 
 and per step: ``finish_gradients(1 / N_global)``, ``grad_norm_sq`` on both, one
 global norm, ``step(clip_coef)`` on both. The loss is a global token mean:
 micro-batches backpropagate summed losses, and the accumulated gradients are
 scaled once by the supervised-token count of the whole global batch (never a
-mean of micro-batch means).
+mean of micro-batch means), then summed over the ranks that hold partial sums.
+
+A piece is (token_index, embeddings): which of the sample's image tokens (in the
+order the language model places them) this rank computed. Without sequence
+parallelism a rank computes them all; under Ulysses SP each rank holds a slice.
 """
 
 from __future__ import annotations
@@ -23,18 +27,52 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dhp.config import Config
+from dhp.config import Config, ParallelConfig
 from dhp.data.batch import Sample, pack
 from dhp.models.qwen2_5_vl import Qwen2_5_VLConfig
 from dhp.models.qwen2_5_vl.text import TextModel
-from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_weights
+from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_weights, vision_layout
 
 SampleLoader = Callable[..., Sample]  # (sample_id, pixels: bool) -> Sample
+Piece = tuple[torch.Tensor, torch.Tensor]  # (token index [n] into the sample's image tokens, embeddings [n, D])
+
+
+@dataclass
+class Parallel:
+    """What one rank knows of its module's layout: a (dp, inner) mesh; inner is sp or tp.
+
+    ``dp_group`` spans the data-parallel replicas at this inner position, ``inner_group``
+    the ranks of this replica, ``module_group`` all ranks of the module; ``mesh`` is the
+    2D DeviceMesh ("dp", inner) over them. The single-process reference has none.
+    """
+
+    spec: ParallelConfig
+    inner_kind: str = "none"  # "sp" | "tp" | "none"
+    dp_rank: int = 0
+    inner_rank: int = 0
+    dp_group: Any = None
+    inner_group: Any = None
+    module_group: Any = None
+    mesh: Any = None
+
+    @property
+    def inner(self) -> int:
+        return self.spec.sp if self.inner_kind == "sp" else self.spec.tp
+
+    @property
+    def distributed(self) -> bool:
+        return self.module_group is not None and dist.get_world_size(self.module_group) > 1
+
+
+def single_process(spec: ParallelConfig | None = None) -> Parallel:
+    return Parallel(spec or ParallelConfig())
 
 
 def lr_lambda(cfg: Config) -> Callable[[int], float]:
@@ -51,14 +89,14 @@ def lr_lambda(cfg: Config) -> Callable[[int], float]:
     return f
 
 
-def make_optimizer(groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
+def optimizer_factory(cfg: Config) -> Callable[[list[dict]], torch.optim.Optimizer]:
     t = cfg.train
     if t.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
-    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
+        return lambda groups: torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
+    return lambda groups: torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
 
 
-def _groups(named: Iterable[tuple[str, nn.Parameter]], lr: float, weight_decay: float) -> list[dict]:
+def param_groups(named: Iterable[tuple[str, nn.Parameter]], lr: float, weight_decay: float) -> list[dict]:
     """AdamW groups: no weight decay on biases and norm weights (1-D parameters)."""
     decay, no_decay = [], []
     for _, p in named:
@@ -72,24 +110,68 @@ def _groups(named: Iterable[tuple[str, nn.Parameter]], lr: float, weight_decay: 
 
 
 class ModuleEngine:
-    """One module, its optimizer and LR schedule, and the process group of its data-parallel ranks."""
+    """One module, its optimizer and LR schedule, and the process groups of its layout."""
 
     role: str
 
-    def __init__(self, module: nn.Module, cfg: Config, groups: list[dict], dp_group: dist.ProcessGroup | None):
-        self.module = module
-        self.cfg = cfg
-        self.dp_group = dp_group
+    def __init__(self, module: nn.Module, cfg: Config, par: Parallel, blocks: list[nn.Module],
+                 group_of: Callable[[str], tuple[float, bool]], forward_methods: tuple[str, ...] = ()) -> None:
+        """``group_of(param_name) -> (lr_scale, trainable)``. Parallelism is applied in a fixed order:
+        1. tensor or sequence parallelism (by the subclass, before this),
+        2. activation checkpointing of the blocks,
+        3. ZeRO-3 (FSDP2) over the ranks that hold partial gradients,
+        4. the optimizer (ZeRO-1: its state sharded over those ranks)."""
+        self.module, self.cfg, self.par = module, cfg, par
+        self.device = next(module.parameters()).device
+        self.amp = cfg.train.dtype == "bfloat16"
+        spec = par.spec
+        for name, p in module.named_parameters():
+            p.requires_grad_(group_of(name)[1])
+        if getattr(cfg, self.role).activation_checkpointing:
+            from dhp.parallel.sharding import apply_activation_checkpointing
+
+            apply_activation_checkpointing(blocks)
+        self.fsdp = spec.zero == 3 and par.distributed
+        if self.fsdp:
+            from dhp.parallel.sharding import apply_fsdp
+
+            apply_fsdp(module, self.reduce_mesh(), blocks, forward_methods=forward_methods)
+        named = list({id(p): (n, p) for n, p in module.named_parameters()}.values())  # tied weights once
+        groups = []
+        for scale in sorted({group_of(n)[0] for n, _ in named}):
+            chosen = [(n, p) for n, p in named if group_of(n)[0] == scale]
+            groups += param_groups(chosen, cfg.train.lr * scale, cfg.train.weight_decay)
         self.trainable = [p for g in groups for p in g["params"]]
-        self.optimizer = make_optimizer(groups, cfg) if self.trainable else None
+        self.optimizer = self._optimizer(groups) if self.trainable else None
         self.scheduler = (
             torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg)) if self.optimizer else None
         )
-        self.device = next(module.parameters()).device
-        self.amp = cfg.train.dtype == "bfloat16"
 
-    # ---- autocast for mixed precision (float32 master weights) -------------------------
+    # ---- layout ----------------------------------------------------------------------------
+    def reduce_group(self):
+        """The ranks whose gradients are partial sums of the same parameters: dp replicas, and SP ranks."""
+        return self.par.module_group if self.par.inner_kind == "sp" else self.par.dp_group
+
+    def reduce_mesh(self):
+        """A 1D DeviceMesh over ``reduce_group`` (FSDP2 shards over it)."""
+        if self.par.inner_kind == "tp":
+            return self.par.mesh["dp"]
+        from torch.distributed.device_mesh import DeviceMesh
+
+        group = self.reduce_group()
+        ranks = dist.get_process_group_ranks(group)
+        return DeviceMesh.from_group(group, self.device.type, mesh=torch.tensor(ranks), mesh_dim_names=("dp",))
+
+    def _optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
+        factory = optimizer_factory(self.cfg)
+        if self.par.spec.zero == 1 and self.par.distributed and dist.get_world_size(self.reduce_group()) > 1:
+            from dhp.parallel.sharding import make_zero1_optimizer
+
+            return make_zero1_optimizer(groups, factory, self.reduce_group())
+        return factory(groups)
+
     def autocast(self):
+        """Mixed precision (``train.dtype=bfloat16``): bfloat16 compute, float32 master weights."""
         if not self.amp:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -98,25 +180,25 @@ class ModuleEngine:
     def finish_gradients(self, scale: float) -> None:
         """Turn accumulated gradients of summed losses into gradients of the global token mean.
 
-        ``scale`` is 1 / (supervised tokens of the whole global batch). Data-parallel ranks each
-        hold a partial sum, so their gradients are then summed, never averaged.
+        ``scale`` is 1 / (supervised tokens of the whole global batch). Ranks holding partial sums
+        (data-parallel replicas, sequence-parallel ranks) then sum them, never average; under FSDP2
+        the sum already happened in its reduce-scatter.
         """
         for p in self.trainable:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.mul_(scale)
-        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
+        group = self.reduce_group()
+        if self.fsdp or group is None or dist.get_world_size(group) == 1:
             return
         for p in self.trainable:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.dp_group)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
 
     def grad_norm_sq(self) -> float:
-        """This module's squared gradient norm, each parameter counted once (after reduction)."""
-        total = torch.zeros((), dtype=torch.float64)
-        for p in self.trainable:
-            if p.grad is not None:
-                total += p.grad.detach().double().pow(2).sum().cpu()
-        return float(total)
+        """This module replica's squared gradient norm, each shard counted once (collective under TP/FSDP)."""
+        from dhp.parallel.tensor import grad_norm_sq
+
+        return grad_norm_sq(self.trainable)
 
     def step(self, clip_coef: float) -> None:
         if self.optimizer is None:
@@ -133,7 +215,19 @@ class ModuleEngine:
         return self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        """Full (unsharded) weights on the CPU; collective when parameters are DTensors."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for k, v in self.module.state_dict().items():
+            v = v.full_tensor() if isinstance(v, DTensor) else v
+            out[_unwrapped(k)] = v.detach().to("cpu", copy=True)
+        return out
+
+
+def _unwrapped(key: str) -> str:
+    """State-dict key without activation-checkpoint wrapper prefixes."""
+    return key.replace("._checkpoint_wrapped_module", "")
 
 
 class VisionEngine(ModuleEngine):
@@ -142,27 +236,42 @@ class VisionEngine(ModuleEngine):
     role = "vision"
 
     def __init__(self, model_cfg: Qwen2_5_VLConfig, cfg: Config, load: SampleLoader,
-                 dp_group: dist.ProcessGroup | None = None, device: str = "cpu",
+                 par: Parallel | None = None, device: str = "cpu",
                  state: dict[str, torch.Tensor] | None = None):
+        par = par or single_process(cfg.vision.parallel)
         module = build_vision(model_cfg, cfg.train.seed, device, state)
+        if par.inner_kind == "tp":  # the uniform-TP baseline
+            from dhp.models.qwen2_5_vl.parallelize import parallelize_vision_tp
+
+            parallelize_vision_tp(module, par.mesh["tp"])
+        elif par.inner_kind == "sp":
+            from dhp.parallel.ulysses import parallelize_vision_sp
+
+            parallelize_vision_sp(module, par.inner_group)
         v, m = cfg.vision, cfg.merger
-        lr = cfg.train.lr
-        for name, p in module.named_parameters():
-            p.requires_grad_(m.trainable if name.startswith("merger.") else v.trainable)
-        blocks = [(n, p) for n, p in module.named_parameters() if not n.startswith("merger.")]
-        merger = [(n, p) for n, p in module.named_parameters() if n.startswith("merger.")]
-        groups = _groups(blocks, lr * v.lr_scale, cfg.train.weight_decay)
-        groups += _groups(merger, lr * m.lr_scale, cfg.train.weight_decay)
-        super().__init__(module, cfg, groups, dp_group)
+
+        def group_of(name: str) -> tuple[float, bool]:
+            return (m.lr_scale, m.trainable) if name.startswith("merger.") else (v.lr_scale, v.trainable)
+
+        super().__init__(module, cfg, par, list(module.blocks), group_of)
         self.load = load
-        self.pending: dict[object, tuple[torch.Tensor, list[int]]] = {}
+        self.pending: dict[object, tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     @property
     def needs_backward(self) -> bool:
         return bool(self.trainable)
 
-    def forward(self, key: object, sample_ids: list[int]) -> dict[int, torch.Tensor]:
-        """Image embeddings of each sample that has images: {sample_id: [n_img_tokens, D]} (detached)."""
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = super().state_dict()
+        if self.par.inner_kind == "tp":  # the TP plan keeps fused qkv rows grouped by rank: undo it
+            from dhp.models.qwen2_5_vl.parallelize import qkv_rows_from_rank_order
+
+            for k in [k for k in out if k.endswith(("attn.qkv.weight", "attn.qkv.bias"))]:
+                out[k] = qkv_rows_from_rank_order(out[k], self.module.cfg.num_heads, self.par.spec.tp)
+        return out
+
+    def forward(self, key: object, sample_ids: list[int]) -> dict[int, Piece]:
+        """This rank's image embeddings of each sample that has images (detached)."""
         samples = [self.load(i) for i in sample_ids]
         with_images = [s for s in samples if s.image_grid_thw.shape[0]]
         if not with_images:
@@ -171,20 +280,44 @@ class VisionEngine(ModuleEngine):
         grid = torch.cat([s.image_grid_thw for s in with_images])
         grad_ctx = nullcontext() if self.needs_backward else torch.no_grad()
         with grad_ctx, self.autocast():
-            embeds = self.module(pixels, grid).float()  # [sum n_img_tokens, D]
-        sizes = [s.num_image_tokens for s in with_images]
+            embeds, merged_index = self._encode(pixels, grid)  # [n_local, D], image-order token index [n_local]
+            embeds = embeds.float()
+        pieces, rows = {}, {}
+        start = 0
+        for s in with_images:
+            end = start + s.num_image_tokens
+            mine = ((merged_index >= start) & (merged_index < end)).nonzero().flatten()  # local rows
+            if len(mine):
+                token_index = merged_index[mine] - start  # which of the sample's image tokens
+                rows[s.index] = (mine, token_index)
+                pieces[s.index] = (token_index, embeds.detach()[mine])
+            start = end
         if self.needs_backward:
-            self.pending[key] = (embeds, sizes)
-        pieces = embeds.detach().split(sizes)
-        return {s.index: piece for s, piece in zip(with_images, pieces, strict=True)}
+            self.pending[key] = (embeds, rows)
+        return pieces
 
-    def backward(self, key: object, grads: dict[int, torch.Tensor], sample_ids: list[int]) -> None:
-        """Backpropagate the loss gradient w.r.t. the embeddings this engine produced for ``key``."""
+    def _encode(self, pixels: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (embeddings of this rank's merged tokens, their image-order index in the batch)."""
+        if self.par.inner_kind != "sp":
+            out = self.module(pixels, grid)  # image order
+            return out, torch.arange(out.shape[0], device=out.device)
+        from dhp.parallel.ulysses import shard_vision, sp_forward
+
+        shard = shard_vision(vision_layout(grid.cpu(), self.module.cfg), self.par.spec.sp)[self.par.inner_rank]
+        out = sp_forward(self.module, pixels, shard, self.par.inner_group)
+        return out, shard.merged_index.to(out.device)
+
+    def backward(self, key: object, grads: dict[int, torch.Tensor]) -> None:
+        """Backpropagate the loss gradient w.r.t. the embeddings this rank produced for ``key``.
+
+        ``grads`` holds each sample's whole gradient [n_img_tokens, D]; this rank takes its rows."""
         if not self.needs_backward or key not in self.pending:
             return
-        embeds, _ = self.pending.pop(key)
-        ordered = [grads[i] for i in sample_ids if i in grads]
-        embeds.backward(torch.cat(ordered).to(embeds.device))
+        embeds, rows = self.pending.pop(key)
+        grad = torch.zeros_like(embeds)
+        for sid, (local_rows, token_index) in rows.items():
+            grad[local_rows] = grads[sid].to(grad.device)[token_index.to(grad.device)]
+        embeds.backward(grad)
 
 
 class TextEngine(ModuleEngine):
@@ -193,26 +326,30 @@ class TextEngine(ModuleEngine):
     role = "text"
 
     def __init__(self, model_cfg: Qwen2_5_VLConfig, cfg: Config, load: SampleLoader,
-                 dp_group: dist.ProcessGroup | None = None, device: str = "cpu",
+                 par: Parallel | None = None, device: str = "cpu",
                  state: dict[str, torch.Tensor] | None = None):
+        par = par or single_process(cfg.text.parallel)
         module = build_text(model_cfg, cfg.train.seed, device, state)
-        for p in module.parameters():
-            p.requires_grad_(cfg.text.trainable)
-        named = list({id(p): (n, p) for n, p in module.named_parameters()}.values())  # tied weights once
-        groups = _groups(named, cfg.train.lr * cfg.text.lr_scale, cfg.train.weight_decay)
-        super().__init__(module, cfg, groups, dp_group)
+        if par.inner_kind == "tp":
+            from dhp.models.qwen2_5_vl.parallelize import parallelize_text
+
+            parallelize_text(module, par.mesh["tp"], cfg.text.parallel.sequence_parallel)
+        t = cfg.text
+        super().__init__(module, cfg, par, list(module.layers), lambda name: (t.lr_scale, t.trainable),
+                         forward_methods=("loss_sum",))
         self.load = load
         self.embeds_need_grad = cfg.vision.trainable or cfg.merger.trainable
 
     def forward_backward(
-        self, sample_ids: list[int], embeds: dict[int, torch.Tensor]
+        self, sample_ids: list[int], pieces: dict[int, list[Piece]]
     ) -> tuple[float, int, dict[int, torch.Tensor]]:
-        """Summed loss, supervised tokens, and d(summed loss)/d(embeds) per sample."""
+        """Summed loss, supervised tokens, and d(summed loss)/d(image embeddings) per sample."""
         samples = [self.load(i, pixels=False) for i in sample_ids]  # image grids only: no pixel decoding
         batch = pack(samples)
-        with_images = [s.index for s in samples if s.image_grid_thw.shape[0]]
-        leaves = {i: embeds[i].to(self.device).requires_grad_(self.embeds_need_grad) for i in with_images}
-        image_embeds = torch.cat([leaves[i] for i in with_images]) if with_images else None
+        with_images = [s for s in samples if s.image_grid_thw.shape[0]]
+        leaves = {s.index: assemble(pieces.get(s.index, []), s.num_image_tokens, s.index).to(self.device)
+                  .requires_grad_(self.embeds_need_grad) for s in with_images}
+        image_embeds = torch.cat([leaves[s.index] for s in with_images]) if with_images else None
         with self.autocast():
             loss = self.module.loss_sum(
                 batch.input_ids.to(self.device),
@@ -227,6 +364,20 @@ class TextEngine(ModuleEngine):
         if self.embeds_need_grad:
             grads = {i: leaf.grad for i, leaf in leaves.items()}
         return float(loss.detach()), batch.num_supervised, grads
+
+
+def assemble(pieces: list[Piece], n_tokens: int, sample_id: int) -> torch.Tensor:
+    """A sample's image embeddings [n_tokens, D] from the pieces the vision ranks computed."""
+    if not pieces:
+        raise RuntimeError(f"sample {sample_id}: no image embeddings arrived from the vision group")
+    out = pieces[0][1].new_zeros(n_tokens, pieces[0][1].shape[-1])
+    seen = 0
+    for index, emb in pieces:
+        out[index] = emb
+        seen += len(index)
+    if seen != n_tokens:
+        raise RuntimeError(f"sample {sample_id}: {seen} of {n_tokens} image embeddings arrived")
+    return out
 
 
 def build_vision(model_cfg: Qwen2_5_VLConfig, seed: int, device: str,

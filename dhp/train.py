@@ -132,6 +132,7 @@ class LocalBackend:
         self.cfg = cfg
         self.vision = VisionEngine(mcfg, cfg, dataset.get, state=module_state(inputs.init_state, "visual"))
         self.text = TextEngine(mcfg, cfg, dataset.get, state=module_state(inputs.init_state, "language"))
+        self.engines = [self.vision, self.text]
 
     def run_step(self, plan: StepPlan) -> StepStats:
         t = {"vision_forward": 0.0, "text_forward_backward": 0.0, "vision_backward": 0.0}
@@ -139,18 +140,18 @@ class LocalBackend:
         for k, rnd in enumerate(plan.rounds):
             ids = rnd.sample_ids
             t0 = time.perf_counter()
-            embeds = self.vision.forward(k, ids)
+            pieces = self.vision.forward(k, ids)
             t1 = time.perf_counter()
-            loss, n, grads = self.text.forward_backward(ids, embeds)
+            loss, n, grads = self.text.forward_backward(ids, {i: [p] for i, p in pieces.items()})
             t2 = time.perf_counter()
-            self.vision.backward(k, grads, ids)
+            self.vision.backward(k, grads)
             t3 = time.perf_counter()
             loss_sum += loss
             n_sup += n
             t["vision_forward"] += t1 - t0
             t["text_forward_backward"] += t2 - t1
             t["vision_backward"] += t3 - t2
-        return finish_step(self.cfg, [self.vision, self.text], loss_sum, n_sup, t)
+        return finish_step(self.cfg, self.engines, loss_sum, n_sup, t)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {f"visual.{k}": v for k, v in self.vision.state_dict().items()}

@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import bisect
 import math
-import types
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from dhp.models.layers import apply_rotary, packed_attention
-from dhp.models.qwen2_5_vl.vision import VisionAttention, VisionLayout, VisionTransformer
+from dhp.models.layers import packed_attention
+from dhp.models.qwen2_5_vl.vision import VisionLayout, VisionTransformer
 
 # ---------------------------------------------------------------------------------------------
 # communication accounting
@@ -277,27 +276,10 @@ class UlyssesAttention:
 # applying the plan
 
 
-def _empty_safe_forward(
-    self: VisionAttention, x: torch.Tensor, cu_seqlens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
-    """``VisionAttention.forward`` with an explicit head size, so that an EMPTY slice (S_local = 0) runs too.
-
-    The stock forward views qkv as (S, 3, H, -1), which torch refuses for 0 elements; an empty rank must
-    still run every block so that it joins the all-to-alls of both passes.
-    TODO: drop this once vision.py views with head_dim instead of -1.
-    """
-    seq, head_dim = x.shape[0], x.shape[-1] // self.num_heads
-    q, k, v = self.qkv(x).view(seq, 3, self.num_heads, head_dim).unbind(1)  # 3 x [S, H, hd]
-    q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-    out = self.attend(q, k, v, cu_seqlens)  # [S, H, hd]
-    return self.proj(out.reshape(seq, x.shape[-1]))
-
-
 def parallelize_vision_sp(model: VisionTransformer, group: dist.ProcessGroup | None) -> None:
     """Install Ulysses attention on the full-attention blocks; window blocks keep local attention."""
     check_sp(model.cfg.num_heads, dist.get_world_size(group))
     for block in model.blocks:
-        block.attn.forward = types.MethodType(_empty_safe_forward, block.attn)
         if block.full_attention:
             block.attn.attend = UlyssesAttention(group)  # instance attribute shadows the method
 
@@ -314,7 +296,8 @@ def sp_forward(
     Row i belongs to image-order merged token ``shard.merged_index[i]``. ``pixel_values`` are the replica's
     packed patches [N, patch_dim] (image order); only this rank's rows are embedded.
     """
-    if not all("forward" in b.attn.__dict__ for b in model.blocks):
+    full = [b for b in model.blocks if b.full_attention]
+    if full and not all(isinstance(b.attn.__dict__.get("attend"), UlyssesAttention) for b in full):
         raise RuntimeError("sp_forward needs parallelize_vision_sp(model, group) first")
     if len(shard.split_sizes) != dist.get_world_size(group):
         raise ValueError(f"shard cut for {len(shard.split_sizes)} ranks, SP group has {dist.get_world_size(group)}")

@@ -1,15 +1,18 @@
 """The Ray backend: a vision group and a text group, the router between them, the step schedule.
 
+Each module group is a (dp, inner) mesh of ranks: vision replicas of ``sp``
+(Ulysses) or ``tp`` (uniform-TP baseline) ranks, text replicas of ``tp`` ranks.
 One step, per micro-batch round k (``StepPlan.rounds``):
 
-    vision[q].forward(k, ids_q)                      every vision replica encodes its share
-    vision[q].emit(k, ids_q ∩ ids_r) -> text[r]      router: embeddings to the text replica that needs them
-    text[r].forward_backward(k, ids_r, *embeds)      summed loss of the replica's micro-batch
-    text[r].emit_grads(k, ids_r ∩ ids_q) -> vision[q] router: gradients back to their producer
-    vision[q].backward(k, ids_q, *grads)
+    vision rank a of replica q:  forward(k, ids_q)                   its slice of the replica's images
+    vision rank a -> text replica r:  emit(k, ids_q ∩ ids_r)         router: (token index, embeddings) pieces
+    text rank b of replica r:    forward_backward(k, ids_r, *pieces) every TP rank gets every piece
+    text head of r -> vision replica q:  emit_grads(k, ids_r ∩ ids_q)  router: whole per-sample gradients
+    vision rank a:               backward(k, *grads)                 takes the rows of its own slice
 
 then ``finish_gradients(1 / N)`` on every rank (N = supervised tokens of the whole
-global batch), one global norm from both groups, ``step(clip_coef)``.
+global batch), one global norm from both groups (rank 0 of each module speaks
+for its module, each shard counted once), ``step(clip_coef)``.
 
 Every call is submitted without waiting; Ray runs an actor's calls in
 submission order, each as soon as its arguments exist. So the schedule is the
@@ -26,24 +29,32 @@ import math
 import time
 from typing import Any
 
-from dhp.config import ConfigError
+from dhp.config import Config, ConfigError
 from dhp.data.sampler import Round, StepPlan
 from dhp.runtime.group import ModuleSpec, Runtime, WorkerGroup
+from dhp.runtime.mesh import ModuleLayout
 from dhp.runtime.placement import LayoutError
 from dhp.runtime.worker import TextWorker, VisionWorker
 from dhp.train import RunInputs, StepStats, clip_coefficient, module_state
 
 
-def group_sizes(inputs: RunInputs) -> dict[str, int]:
-    """Ranks per module; rejects layouts this runtime cannot run, before any actor starts."""
-    cfg = inputs.cfg
-    sizes = {}
-    for name in ("vision", "text"):
-        p = getattr(cfg, name).parallel
-        if (p.sp, p.tp, p.zero) != (1, 1, 0) or p.sequence_parallel:
-            raise ConfigError(f"{name}.parallel: sp/tp/zero are not available in this runtime yet; use dp")
-        sizes[name] = p.dp
-    return sizes
+def module_layouts(cfg: Config, heads: int, kv_heads: int) -> list[ModuleLayout]:
+    """The (dp, inner) layout of each group; rejects what cannot work, before any actor starts."""
+    v, t = cfg.vision.parallel, cfg.text.parallel
+    if v.sp > 1 and v.tp > 1:
+        raise ConfigError("vision.parallel: choose sp (Ulysses) or tp (uniform-TP baseline), not both")
+    if t.sp > 1:
+        raise ConfigError("text.parallel.sp: the language model uses tp (and text.parallel.sequence_parallel)")
+    if v.sequence_parallel:
+        raise ConfigError("vision.parallel.sequence_parallel: use vision.parallel.sp (Ulysses) for the encoder")
+    if v.sp > 1 and heads % v.sp:
+        raise ConfigError(f"vision.parallel.sp={v.sp} must divide the vision heads ({heads})")
+    if v.tp > 1 and heads % v.tp:
+        raise ConfigError(f"vision.parallel.tp={v.tp} must divide the vision heads ({heads})")
+    if t.tp > 1 and kv_heads % t.tp:
+        raise ConfigError(f"text.parallel.tp={t.tp} must divide the key/value heads ({kv_heads})")
+    vision = ModuleLayout("vision", v.dp, v.sp, "sp") if v.sp > 1 else ModuleLayout("vision", v.dp, v.tp, "tp")
+    return [vision, ModuleLayout("text", t.dp, t.tp, "tp")]
 
 
 class RayBackend:
@@ -51,11 +62,13 @@ class RayBackend:
         cfg = inputs.cfg
         rt = cfg.runtime
         self.cfg = cfg
-        sizes = group_sizes(inputs)
+        mcfg = inputs.model_cfg
+        self.layouts = module_layouts(cfg, mcfg.vision.num_heads, mcfg.text.num_key_value_heads)
+        self.vl, self.tl = self.layouts
         self.ahead = rt.vision_ahead if rt.placement == "disaggregated" else 0
         self.vision_trains = cfg.vision.trainable or cfg.merger.trainable  # frozen: no backward at all
         self.runtime = Runtime(
-            {"vision": ModuleSpec(VisionWorker, sizes["vision"]), "text": ModuleSpec(TextWorker, sizes["text"])},
+            {"vision": ModuleSpec(VisionWorker, self.vl.size), "text": ModuleSpec(TextWorker, self.tl.size)},
             placement=rt.placement,
             cpus_per_worker=rt.cpus_per_worker,
             gpus_per_worker=rt.gpus_per_worker,
@@ -64,9 +77,17 @@ class RayBackend:
         )
         try:
             self.runtime.start()
-            base = {"model_cfg": inputs.model_cfg, "cfg": cfg, **dataset_spec}
-            self.vision.call("init_engine", base | {"state": module_state(inputs.init_state, "visual")})
-            self.text.call("init_engine", base | {"state": module_state(inputs.init_state, "language")})
+            backend = self.runtime.backend
+            refs = [g.submit("setup_parallel", self.layouts, backend, getattr(cfg, name).parallel)
+                    for name, g in (("vision", self.vision), ("text", self.text))]
+            self.vision.get("setup_parallel", refs[0])
+            self.text.get("setup_parallel", refs[1])
+            device = "cuda" if rt.gpus_per_worker > 0 else "cpu"
+            base = {"model_cfg": mcfg, "cfg": cfg, "device": device, **dataset_spec}
+            refs = [self.vision.submit("init_engine", base | {"state": module_state(inputs.init_state, "visual")}),
+                    self.text.submit("init_engine", base | {"state": module_state(inputs.init_state, "language")})]
+            self.vision.get("init_engine", refs[0])
+            self.text.get("init_engine", refs[1])
         except LayoutError as e:
             self.runtime.shutdown()
             raise ConfigError(f"runtime: {e}") from None
@@ -88,59 +109,59 @@ class RayBackend:
         rounds = plan.rounds
         vision_refs: list[list[Any]] = []  # vision forward/backward refs, to surface errors
         loss_refs: list[list[Any]] = []
-        embeds: list[list[list[Any]]] = []  # [round][text replica] -> refs of its embeddings
+        pieces: list[list[list[Any]]] = []  # [round][text replica] -> refs of its embedding pieces
         for k in range(len(rounds)):
-            while len(embeds) < len(rounds) and len(embeds) <= k + self.ahead:
-                j = len(embeds)
+            while len(pieces) < len(rounds) and len(pieces) <= k + self.ahead:
+                j = len(pieces)
                 vision_refs.append(self._submit_vision_forward(j, rounds[j]))
-                embeds.append([self._embeds_for(j, rounds[j], r) for r in range(len(rounds[j].text))])
-            loss_refs.append(self._submit_text(k, rounds[k], embeds[k]))
+                pieces.append([self._pieces_for(j, rounds[j], r) for r in range(self.tl.dp)])
+            loss_refs.append(self._submit_text(k, rounds[k], pieces[k]))
             if self.vision_trains:
                 vision_refs.append(self._submit_vision_backward(k, rounds[k]))
         losses = [self.text.get("forward_backward", refs) for refs in loss_refs]
         for refs in vision_refs:
             self.vision.get("forward/backward", refs)
-        loss_sum = sum(loss for per_round in losses for loss, _ in per_round)
-        n_sup = sum(n for per_round in losses for _, n in per_round)
+        heads = [self.tl.ranks_of_replica(r)[0] for r in range(self.tl.dp)]  # one loss per text replica
+        loss_sum = sum(per_round[b][0] for per_round in losses for b in heads)
+        n_sup = sum(per_round[b][1] for per_round in losses for b in heads)
         if n_sup == 0:
             raise RuntimeError("a global batch with no supervised token: check the data's assistant replies")
         norm_sq = self._call_both("finish_gradients", 1.0 / n_sup)
-        grad_norm = math.sqrt(sum(sum(v) for v in norm_sq.values()))
+        grad_norm = math.sqrt(norm_sq["vision"][0] + norm_sq["text"][0])  # rank 0 speaks for its module
         coef = clip_coefficient(grad_norm, self.cfg.train.clip_grad_norm)
         reports = self._call_both("step", coef)
         return self._stats(loss_sum / n_sup, n_sup, grad_norm, reports, time.perf_counter() - t_start)
 
     def _submit_vision_forward(self, k: int, rnd: Round) -> list[Any]:
-        return [a.forward.remote(k, list(ids)) for a, ids in zip(self.vision.actors, rnd.vision, strict=True)]
+        return [a.forward.remote(k, list(rnd.vision[self.vl.replica_of(i)]))
+                for i, a in enumerate(self.vision.actors)]
 
-    def _embeds_for(self, k: int, rnd: Round, r: int) -> list[Any]:
-        """Refs of the embeddings text replica r needs, one per vision replica holding some of its samples."""
+    def _pieces_for(self, k: int, rnd: Round, r: int) -> list[Any]:
+        """Refs of the pieces text replica r needs: one per vision rank whose replica holds some of its samples."""
         refs = []
-        text_ids = set(rnd.text[r])
         for q, vision_ids in enumerate(rnd.vision):
-            shared = sorted(text_ids.intersection(vision_ids))
-            if shared:
-                last = not any(set(rnd.text[s]).intersection(vision_ids) for s in range(r + 1, len(rnd.text)))
-                refs.append(self._tensor_call(self.vision, q, "emit", k, shared, last))
+            shared = sorted(set(rnd.text[r]).intersection(vision_ids))
+            if not shared:
+                continue
+            last = not any(set(rnd.text[s]).intersection(vision_ids) for s in range(r + 1, len(rnd.text)))
+            for a in self.vl.ranks_of_replica(q):
+                refs.append(self._tensor_call(self.vision, a, "emit", k, shared, last))
         return refs
 
-    def _submit_text(self, k: int, rnd: Round, embeds: list[list[Any]]) -> list[Any]:
-        return [
-            a.forward_backward.remote(k, list(ids), *refs)
-            for a, ids, refs in zip(self.text.actors, rnd.text, embeds, strict=True)
-        ]
+    def _submit_text(self, k: int, rnd: Round, pieces: list[list[Any]]) -> list[Any]:
+        return [a.forward_backward.remote(k, list(rnd.text[self.tl.replica_of(b)]), *pieces[self.tl.replica_of(b)])
+                for b, a in enumerate(self.text.actors)]
 
     def _submit_vision_backward(self, k: int, rnd: Round) -> list[Any]:
-        refs = []
-        for q, (actor, vision_ids) in enumerate(zip(self.vision.actors, rnd.vision, strict=True)):
-            grads = []
+        grads_for: list[list[Any]] = [[] for _ in rnd.vision]  # [vision replica] -> refs from text replica heads
+        for q, vision_ids in enumerate(rnd.vision):
             holders = [r for r in range(len(rnd.text)) if set(rnd.text[r]).intersection(vision_ids)]
             for r in holders:
                 shared = sorted(set(rnd.text[r]).intersection(vision_ids))
                 last = not any(set(rnd.vision[p]).intersection(rnd.text[r]) for p in range(q + 1, len(rnd.vision)))
-                grads.append(self._tensor_call(self.text, r, "emit_grads", k, shared, last))
-            refs.append(actor.backward.remote(k, list(vision_ids), *grads))
-        return refs
+                head = self.tl.ranks_of_replica(r)[0]
+                grads_for[q].append(self._tensor_call(self.text, head, "emit_grads", k, shared, last))
+        return [a.backward.remote(k, *grads_for[self.vl.replica_of(i)]) for i, a in enumerate(self.vision.actors)]
 
     @staticmethod
     def _tensor_call(group: WorkerGroup, rank: int, method: str, *args: Any) -> Any:
@@ -157,7 +178,7 @@ class RayBackend:
                wall: float) -> StepStats:
         timings: dict[str, float] = {}
         for name, per_rank in reports.items():
-            busy = {}
+            busy: dict[str, float] = {}
             for rep in per_rank:
                 for phase, sec in rep["busy"].items():
                     busy[phase] = max(busy.get(phase, 0.0), sec)
@@ -171,8 +192,11 @@ class RayBackend:
 
     # ---- end -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        out = {f"visual.{k}": v for k, v in self.vision.call("state_dict").items()}
-        out.update({f"language.{k}": v for k, v in self.text.call("state_dict").items()})
+        refs = {name: self.runtime[name].submit("state_dict") for name in ("vision", "text")}
+        vision = self.vision.get("state_dict", refs["vision"])[0]
+        text = self.text.get("state_dict", refs["text"])[0]
+        out = {f"visual.{k}": v for k, v in vision.items()}
+        out.update({f"language.{k}": v for k, v in text.items()})
         return out
 
     def shutdown(self) -> None:

@@ -99,6 +99,7 @@ class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
@@ -106,10 +107,12 @@ class VisionAttention(nn.Module):
         self, x: torch.Tensor, cu_seqlens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         seq = x.shape[0]
-        q, k, v = self.qkv(x).view(seq, 3, self.num_heads, -1).unbind(1)  # 3 x [S, H, hd]
+        qkv = self.qkv(x)  # [S, 3 * H * hd]; H are the local heads under tensor parallelism
+        heads = qkv.shape[-1] // (3 * self.head_dim)  # explicit, so an empty slice (S = 0) works too
+        q, k, v = qkv.view(seq, 3, heads, self.head_dim).unbind(1)  # 3 x [S, H, hd]
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.attend(q, k, v, cu_seqlens)  # [S, H, hd]
-        return self.proj(out.reshape(seq, -1))
+        return self.proj(out.reshape(seq, heads * self.head_dim))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Non-causal attention within segments; the sequence-parallel plan replaces this method."""
