@@ -191,8 +191,11 @@ class ModuleEngine:
         group = self.reduce_group()
         if self.fsdp or group is None or dist.get_world_size(group) == 1:
             return
-        for p in self.trainable:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+        from torch.distributed.tensor import DTensor
+
+        for p in self.trainable:  # TP-sharded gradients: each rank sums its own shard with its dp peers'
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
 
     def grad_norm_sq(self) -> float:
         """This module replica's squared gradient norm, each shard counted once (collective under TP/FSDP)."""

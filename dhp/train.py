@@ -109,6 +109,7 @@ class StepStats:
     timings: dict[str, float] = field(default_factory=dict)
     router_bytes: int = 0
     worker_memory_gb: float = 0.0  # peak over the workers (Ray backend)
+    comm_bytes: dict[str, int] = field(default_factory=dict)  # "{group}_{collective}" -> bytes, all ranks
 
 
 class Backend(Protocol):
@@ -282,6 +283,7 @@ def train(cfg: Config) -> dict:
             }
             if stats.router_bytes:
                 row["router_bytes"] = stats.router_bytes
+            row.update({f"comm_{k}_bytes": v for k, v in stats.comm_bytes.items()})
             metrics.write(row)
         state = backend.state_dict()
     finally:

@@ -188,7 +188,10 @@ class RayBackend:
         router = sum(rep["bytes_in"] for per_rank in reports.values() for rep in per_rank)
         lr = max(rep["lr"] for per_rank in reports.values() for rep in per_rank)
         memory = max(rep["memory_gb"] for per_rank in reports.values() for rep in per_rank)
-        return StepStats(loss, n_sup, grad_norm, lr, timings, router_bytes=router, worker_memory_gb=memory)
+        comm = {f"{name}_{kind}": sum(rep["comm"].get(kind, 0) for rep in per_rank)
+                for name, per_rank in reports.items() for kind in sorted({k for r in per_rank for k in r["comm"]})}
+        return StepStats(loss, n_sup, grad_norm, lr, timings, router_bytes=router, worker_memory_gb=memory,
+                         comm_bytes=comm)
 
     # ---- end -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

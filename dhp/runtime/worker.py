@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dhp.engine import ModuleEngine, Parallel, Piece, TextEngine, VisionEngine
+from dhp.parallel.comm import CommCounter
 from dhp.runtime.dispatch import Mode, dispatch, produces_tensors
 from dhp.runtime.group import WorkerBase
 from dhp.runtime.mesh import ModuleLayout, create_mesh_groups, device_mesh
@@ -48,6 +49,7 @@ class EngineWorker(WorkerBase):
         self.bytes_in = 0
         self.bytes_out = 0
         self.par: Parallel | None = None
+        self.comm = CommCounter()  # bytes this rank hands to collectives, per kind, in the current step
 
     def setup_parallel(self, layouts: list[ModuleLayout], backend: str, spec: Any) -> dict[str, int]:
         """Create the mesh groups and keep this rank's ``Parallel``.
@@ -88,8 +90,9 @@ class EngineWorker(WorkerBase):
 
         Every rank takes part (the norm is collective under TP and FSDP); the driver reads rank 0's."""
         t0 = time.perf_counter()
-        self.engine.finish_gradients(scale)
-        norm_sq = self.engine.grad_norm_sq()
+        with self.comm:
+            self.engine.finish_gradients(scale)
+            norm_sq = self.engine.grad_norm_sq()
         self._timed("reduce", t0)
         return norm_sq
 
@@ -97,13 +100,18 @@ class EngineWorker(WorkerBase):
     def step(self, clip_coef: float) -> dict[str, Any]:
         """Optimizer step; returns this rank's timings, transfer bytes and peak memory, then resets them."""
         t0 = time.perf_counter()
-        self.engine.step(clip_coef)
+        with self.comm:
+            self.engine.step(clip_coef)
         self._timed("optimizer", t0)
         out = {"busy": dict(self.busy), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-               "lr": self.engine.lr(), "memory_gb": _peak_memory_gb()}
+               "lr": self.engine.lr(), "memory_gb": _peak_memory_gb(), "comm": self.comm.snapshot()}
         self.busy.clear()
         self.bytes_in = self.bytes_out = 0
+        self.comm.reset()
         return out
+
+    def comm_bytes(self) -> dict[str, int]:
+        return self.comm.snapshot()
 
     @dispatch(Mode.RANK_ZERO)
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -122,7 +130,8 @@ class VisionWorker(EngineWorker):
     def forward(self, key: Any, sample_ids: list[int]) -> int:
         """Encode this rank's part of its replica's samples of round ``key``; kept until ``emit`` hands it out."""
         t0 = time.perf_counter()
-        self.outputs[key] = self.engine.forward(key, sample_ids)
+        with self.comm:
+            self.outputs[key] = self.engine.forward(key, sample_ids)
         self._timed("forward", t0)
         return len(self.outputs[key])
 
@@ -141,7 +150,8 @@ class VisionWorker(EngineWorker):
         for g in grads:
             received.update(g)
         self.bytes_in += _nbytes(received)
-        self.engine.backward(key, received)
+        with self.comm:
+            self.engine.backward(key, received)
         self._timed("backward", t0)
 
 
@@ -161,7 +171,8 @@ class TextWorker(EngineWorker):
             for sid, piece in part.items():
                 received[sid].append(piece)
         self.bytes_in += _nbytes(pieces)
-        loss, n, grads = self.engine.forward_backward(sample_ids, received)
+        with self.comm:
+            loss, n, grads = self.engine.forward_backward(sample_ids, received)
         if self.par is None or self.par.inner_rank == 0:  # the replica head hands gradients back
             self.grads[key] = grads
         self._timed("forward_backward", t0)

@@ -106,3 +106,70 @@ def test_adamw_losses_match_reference(ray_cluster, demo_overrides_module):
     ref = run(demo_overrides_module + adam, "local")
     got = run(demo_overrides_module + adam + ["vision.parallel.dp=2", "text.parallel.dp=2"], "ray")
     assert [s.loss for s in got[0]] == pytest.approx([s.loss for s in ref[0]], rel=1e-5)
+
+
+# ---- per-module parallelism (Ulysses SP, TP, ZeRO) and the uniform baselines -------------------------------
+
+HYBRID = {
+    "vision_sp2": ["vision.parallel.sp=2"],
+    "vision_sp2_dp2": ["vision.parallel.sp=2", "vision.parallel.dp=2"],
+    "text_tp2": ["text.parallel.tp=2"],
+    "text_tp2_dp2": ["text.parallel.tp=2", "text.parallel.dp=2"],
+    "sp2_tp2_collocated": ["vision.parallel.sp=2", "text.parallel.tp=2", "runtime.placement=collocated"],
+    "sp2_tp2_disaggregated": ["vision.parallel.sp=2", "text.parallel.tp=2", "runtime.placement=disaggregated"],
+    "uniform_tp2": ["vision.parallel.tp=2", "text.parallel.tp=2"],
+    "text_tp2_sequence_parallel": ["text.parallel.tp=2", "text.parallel.sequence_parallel=true"],
+    "vision_zero1": ["vision.parallel.dp=2", "vision.parallel.zero=1"],
+    "text_zero1": ["text.parallel.dp=2", "text.parallel.zero=1"],
+    "vision_zero3": ["vision.parallel.dp=2", "vision.parallel.zero=3"],
+    "text_zero3": ["text.parallel.dp=2", "text.parallel.zero=3"],
+    "zero3_everywhere": ["vision.parallel.dp=2", "vision.parallel.zero=3", "text.parallel.dp=2",
+                         "text.parallel.zero=3"],
+    "activation_checkpointing": ["vision.parallel.sp=2", "vision.activation_checkpointing=true",
+                                 "text.activation_checkpointing=true"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(HYBRID))
+def test_hybrid_layouts_match_reference(ray_cluster, reference, demo_overrides_module, name):
+    over = demo_overrides_module + SGD + ["runtime.placement=disaggregated"] + HYBRID[name]
+    assert_same(run(over, "ray"), reference)
+
+
+def test_text_only_samples_mixed_in_under_sp(ray_cluster, mixed_data, demo_overrides_module):
+    """Replicas whose micro-batch has no image at all run (no vision forward, no hang), and the result equals
+    the reference. vision dp=2: with 2 text-only samples of 4 per round, some replica gets none with images."""
+    over = [o for o in demo_overrides_module if not o.startswith("data.path=")] + SGD + [f"data.path={mixed_data}"]
+    ref = run(over, "local")
+    got = run(over + ["vision.parallel.sp=2", "vision.parallel.dp=2", "train.micro_batch_size=4"], "ray")
+    assert_same(got, ref)
+
+
+@pytest.fixture(scope="module")
+def mixed_data(demo_data, tmp_path_factory):
+    """The demo's image samples interleaved with text-only ones (half of each batch)."""
+    import json
+
+    rows = [json.loads(line) for line in demo_data.train.read_text().splitlines()]
+    images = [r for r in rows if "image" in r][:16]
+    out = []
+    for i, r in enumerate(images):
+        r = dict(r)
+        r["image"] = [str(demo_data.root / p) for p in ([r["image"]] if isinstance(r["image"], str) else r["image"])]
+        out.append(r)
+        q = {"conversations": [{"from": "human", "value": f"What comes after {i % 9}?"},
+                               {"from": "gpt", "value": str(i % 9 + 1)}]}
+        out.append(q)
+    path = tmp_path_factory.mktemp("mixed") / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in out))
+    return path
+
+
+def test_comm_counter_per_group(ray_cluster, demo_overrides_module):
+    """Per-step collective bytes per group: Ulysses all-to-all only in the vision group (full-attention blocks),
+    TP all-reduces in the text group, and gradient all-reduces where ranks hold partial sums."""
+    over = demo_overrides_module + SGD + ["vision.parallel.sp=2", "text.parallel.tp=2"]
+    stats, _, _ = run(over, "ray")
+    comm = stats[0].comm_bytes
+    assert comm["vision_all_to_all"] > 0 and "text_all_to_all" not in comm
+    assert comm["text_all_reduce"] > 0 and comm["vision_all_reduce"] > 0
