@@ -1,0 +1,155 @@
+"""Memory sharding per module: ZeRO-1, ZeRO-3 (FSDP2), activation checkpointing, mixed precision.
+
+Why per module: the vision encoder's memory is activations (long image sequences), the language
+model's is weights and optimizer state. Each module engine therefore picks its own ``zero`` level
+and checkpointing, over its own data-parallel process group, and the rules of the project still
+hold for every choice:
+
+* gradients of *summed* losses accumulate over micro-batches, are scaled once by
+  1 / (supervised tokens of the global batch) and **summed** (never averaged) over the
+  data-parallel ranks;
+* the global gradient norm counts each shard once and each replica once;
+* the result equals the single-process run up to float rounding.
+
+Everything here is PyTorch's own machinery (``ZeroRedundancyOptimizer``, ``fully_shard``,
+``torch.utils.checkpoint``); this file only pins the settings that make it obey those rules:
+
+``zero: 1``  ``make_zero1_optimizer``. Gradients stay whole on every rank (``finish_gradients``
+             all-reduces them as for plain DP, so norm and clipping are unchanged); each rank keeps
+             optimizer state for and steps only the parameters it owns, then broadcasts them.
+``zero: 3``  ``apply_fsdp``. Parameters and gradients are DTensors sharded over the dp mesh;
+             FSDP2 reduce-scatters every micro-batch's gradient as a SUM (its default is a mean),
+             accumulating into the sharded gradient. ``finish_gradients`` must then only scale
+             (no all-reduce); the norm of the sharded gradients is ``dhp.parallel.tensor.grad_norm_sq``
+             (local squares, all-reduced over each mesh dimension the gradient is sharded on).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.utils.checkpoint import checkpoint
+
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+# ---- ZeRO-1 ------------------------------------------------------------------------------------
+def make_zero1_optimizer(
+    param_groups: list[dict], optimizer_factory: OptimizerFactory, dp_group: dist.ProcessGroup | None
+) -> torch.optim.Optimizer:
+    """An optimizer whose state is sharded over ``dp_group``: ``torch``'s ``ZeroRedundancyOptimizer``.
+
+    ``param_groups`` are ordinary groups (``params``, ``lr``, ``weight_decay``, ...); each rank gets a
+    balanced subset of every group (same hyperparameters) and ``optimizer_factory(groups)`` builds
+    its local optimizer, so optimizer defaults (betas, eps, momentum) come from the factory exactly
+    as without sharding. The result is a ``torch.optim.Optimizer``: ``LambdaLR`` drives its
+    ``param_groups[i]["lr"]`` (synchronised into the local optimizer before every step),
+    ``zero_grad`` clears every parameter's gradient. ``step()`` expects the gradients already
+    summed over ``dp_group`` (``finish_gradients`` does it) and leaves every rank with the same,
+    fully updated parameters. No ``state_dict`` without ``consolidate_state_dict`` first.
+    """
+    return ZeroRedundancyOptimizer(
+        [dict(g) for g in param_groups],
+        optimizer_class=_factory_class(optimizer_factory),
+        process_group=dp_group,
+    )
+
+
+def _factory_class(factory: OptimizerFactory) -> Callable[..., torch.optim.Optimizer]:
+    """``ZeroRedundancyOptimizer`` calls ``optimizer_class(groups, **defaults)``; we give no defaults."""
+
+    def build(groups: list[dict], **defaults: Any) -> torch.optim.Optimizer:
+        if defaults:
+            raise TypeError(f"unexpected optimizer defaults {sorted(defaults)}: put them in the factory")
+        return factory(groups)
+
+    return build
+
+
+def zero1_local_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters whose optimizer state lives on this rank (all of them for a plain optimizer)."""
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    return [p for g in local.param_groups for p in g["params"]]
+
+
+# ---- ZeRO-3 / FSDP2 ------------------------------------------------------------------------------
+def mixed_precision_policy(dtype: torch.dtype | None = torch.bfloat16) -> Any:
+    """FSDP2 policy: parameters gathered and computed in ``dtype``, gradients reduced in float32.
+
+    The sharded master weights and the optimizer state stay float32 (FSDP2 keeps the sharded
+    parameters in their original dtype). ``dtype=None`` is full float32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(
+    module: nn.Module,
+    dp_mesh: Any,
+    blocks: Sequence[nn.Module],
+    reshard_after_forward: bool = True,
+    mp_policy: Any = None,
+    forward_methods: Iterable[str] = (),
+) -> nn.Module:
+    """Shard ``module`` ZeRO-3 style over ``dp_mesh`` (a 1-D ``DeviceMesh``): each block, then the root.
+
+    Call after ``requires_grad`` is set and *before* building optimizer parameter groups:
+    ``fully_shard`` replaces every parameter by a DTensor parameter. Each block is one unit
+    (gathered for its forward and backward, freed after, if ``reshard_after_forward``); the root
+    unit holds the rest (embeddings, final norm, head, merger). ``forward_methods`` names root
+    methods called instead of ``__call__`` (``TextModel.loss_sum``): they must gather the root's
+    parameters too.
+
+    Gradient reduction is a SUM over the dp ranks (FSDP2's default is a mean): every micro-batch's
+    backward reduce-scatters its gradient and adds it into the sharded ``.grad``, so gradient
+    accumulation over micro-batches (and forward(mb0), forward(mb1), backward(mb0), backward(mb1))
+    gives the sum. Apply ``apply_activation_checkpointing`` to the blocks first, if wanted.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    for name in forward_methods:
+        register_fsdp_forward_method(module, name)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # per unit, not recursive
+            m.set_force_sum_reduction_for_comms(True)  # plain ReduceOp.SUM: gloo has no PREMUL_SUM/AVG
+    return module
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    """True when ``apply_fsdp`` sharded ``module`` (gradients are then already summed over dp)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+# ---- activation checkpointing ---------------------------------------------------------------------
+def apply_activation_checkpointing(blocks: Iterable[nn.Module]) -> None:
+    """Recompute each block's activations in backward instead of keeping them (non-reentrant).
+
+    Wraps ``block.forward`` in place (torchtitan's per-block ``checkpoint_wrapper``, without
+    renaming the block's parameters or state-dict keys), so outputs and gradients are identical to
+    the unwrapped model; only the block's input is saved. Apply before ``apply_fsdp``.
+    """
+    for block in blocks:
+        if getattr(block, "_dhp_checkpointed", False):
+            continue
+        inner = block.forward
+
+        @functools.wraps(inner)
+        def forward(*args: Any, _inner: Callable = inner, **kwargs: Any) -> Any:
+            return checkpoint(_inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+        block.forward = forward
+        block._dhp_checkpointed = True
