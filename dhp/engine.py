@@ -115,7 +115,8 @@ class ModuleEngine:
     role: str
 
     def __init__(self, module: nn.Module, cfg: Config, par: Parallel, blocks: list[nn.Module],
-                 group_of: Callable[[str], tuple[float, bool]], forward_methods: tuple[str, ...] = ()) -> None:
+                 group_of: Callable[[str], tuple[float, bool]], forward_methods: tuple[str, ...] = (),
+                 fsdp_units: list[nn.Module] | None = None) -> None:
         """``group_of(param_name) -> (lr_scale, trainable)``. Parallelism is applied in a fixed order:
         1. tensor or sequence parallelism (by the subclass, before this),
         2. activation checkpointing of the blocks,
@@ -133,9 +134,13 @@ class ModuleEngine:
             apply_activation_checkpointing(blocks)
         self.fsdp = spec.zero == 3 and par.distributed
         if self.fsdp:
-            from dhp.parallel.sharding import apply_fsdp
+            from dhp.parallel.sharding import apply_fsdp, mixed_precision_policy
 
-            apply_fsdp(module, self.reduce_mesh(), blocks, forward_methods=forward_methods)
+            policy = mixed_precision_policy(torch.bfloat16) if self.amp and self.device.type == "cuda" else None
+            if policy is not None:
+                self.amp = False  # FSDP2 casts parameters and compute itself
+            apply_fsdp(module, self.reduce_mesh(), fsdp_units or blocks, mp_policy=policy,
+                       forward_methods=forward_methods)
         named = list({id(p): (n, p) for n, p in module.named_parameters()}.values())  # tied weights once
         groups = []
         for scale in sorted({group_of(n)[0] for n, _ in named}):
@@ -256,7 +261,8 @@ class VisionEngine(ModuleEngine):
         def group_of(name: str) -> tuple[float, bool]:
             return (m.lr_scale, m.trainable) if name.startswith("merger.") else (v.lr_scale, v.trainable)
 
-        super().__init__(module, cfg, par, list(module.blocks), group_of)
+        super().__init__(module, cfg, par, list(module.blocks), group_of, forward_methods=("encode_rows",),
+                         fsdp_units=[module.patch_embed, *module.blocks, module.merger])
         self.load = load
         self.pending: dict[object, tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
 

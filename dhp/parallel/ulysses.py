@@ -259,17 +259,26 @@ def ulysses_attend(
     return _HeadsToSeq.apply(out[:, None], split_sizes, group)[:, 0]  # [S_local, H, hd]
 
 
+@dataclass(frozen=True)
+class UlyssesSegments:
+    """The full-attention segments of a batch and every rank's share of it, passed down as the blocks' argument
+    (not stored on the modules), so recomputation under activation checkpointing and pipelined micro-batches
+    (forward mb0, forward mb1, backward mb0) each see their own batch's split."""
+
+    cu_seqlens: torch.Tensor  # [n_frames + 1] GLOBAL image/frame boundaries
+    split_sizes: list[int]  # [sp] patches of every rank
+
+
 class UlyssesAttention:
-    """Replaces ``VisionAttention.attend`` of a full-attention block; split sizes are set per batch."""
+    """Replaces ``VisionAttention.attend`` of a full-attention block."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
-        self.split_sizes: list[int] | None = None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        if self.split_sizes is None:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: UlyssesSegments) -> torch.Tensor:
+        if not isinstance(segments, UlyssesSegments):
             raise RuntimeError("UlyssesAttention called outside sp_forward: no split sizes for this batch")
-        return ulysses_attend(q, k, v, cu_seqlens, self.split_sizes, self.group)
+        return ulysses_attend(q, k, v, segments.cu_seqlens, segments.split_sizes, self.group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,10 +291,6 @@ def parallelize_vision_sp(model: VisionTransformer, group: dist.ProcessGroup | N
     for block in model.blocks:
         if block.full_attention:
             block.attn.attend = UlyssesAttention(group)  # instance attribute shadows the method
-
-
-def _ulysses_modules(model: VisionTransformer) -> list[UlyssesAttention]:
-    return [b.attn.attend for b in model.blocks if isinstance(b.attn.__dict__.get("attend"), UlyssesAttention)]
 
 
 def sp_forward(
@@ -301,13 +306,6 @@ def sp_forward(
         raise RuntimeError("sp_forward needs parallelize_vision_sp(model, group) first")
     if len(shard.split_sizes) != dist.get_world_size(group):
         raise ValueError(f"shard cut for {len(shard.split_sizes)} ranks, SP group has {dist.get_world_size(group)}")
-    attends = _ulysses_modules(model)
-    device = pixel_values.device
-    x = model.patch_embed(pixel_values[shard.patch_rows.to(device)])  # [S_local, C_v], window order
-    for attend in attends:
-        attend.split_sizes = shard.split_sizes
-    try:
-        return model.encode(x, shard.rotary_pos.to(device), shard.cu_window, shard.cu_full)  # [S_local/4, D]
-    finally:
-        for attend in attends:
-            attend.split_sizes = None
+    segments = UlyssesSegments(shard.cu_full, shard.split_sizes)
+    # [S_local/4, D], window order
+    return model.encode_rows(pixel_values, shard.patch_rows, shard.rotary_pos, shard.cu_window, segments)

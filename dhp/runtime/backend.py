@@ -144,9 +144,14 @@ class RayBackend:
             if not shared:
                 continue
             last = not any(set(rnd.text[s]).intersection(vision_ids) for s in range(r + 1, len(rnd.text)))
-            for a in self.vl.ranks_of_replica(q):
+            for a in self._emitting_ranks(q):
                 refs.append(self._tensor_call(self.vision, a, "emit", k, shared, last))
         return refs
+
+    def _emitting_ranks(self, q: int) -> list[int]:
+        """Vision ranks of replica q that hold distinct pieces: every SP rank; one TP rank (they agree)."""
+        ranks = self.vl.ranks_of_replica(q)
+        return ranks if self.vl.inner_name == "sp" else ranks[:1]
 
     def _submit_text(self, k: int, rnd: Round, pieces: list[list[Any]]) -> list[Any]:
         return [a.forward_backward.remote(k, list(rnd.text[self.tl.replica_of(b)]), *pieces[self.tl.replica_of(b)])

@@ -172,6 +172,14 @@ class VisionTransformer(nn.Module):
         x = x.view(-1, unit, x.shape[-1])[widx].view(-1, x.shape[-1])  # window order
         return self.encode(x, layout.rotary_pos.to(x.device), layout.cu_window_seqlens, layout.cu_seqlens)
 
+    def encode_rows(self, pixel_values: torch.Tensor, rows: torch.Tensor, rotary_pos: torch.Tensor,
+                    cu_window: torch.Tensor, cu_full: torch.Tensor) -> torch.Tensor:
+        """Patch-embed ``pixel_values[rows]`` (a window-ordered slice) and encode it: [len(rows)/4, D].
+
+        One entry point for a sequence-parallel rank's slice (FSDP registers it as a forward method)."""
+        x = self.patch_embed(pixel_values[rows.to(pixel_values.device)])  # [S_local, C_v]
+        return self.encode(x, rotary_pos.to(x.device), cu_window, cu_full)
+
     def encode(
         self, x: torch.Tensor, rotary_pos: torch.Tensor, cu_window: torch.Tensor, cu_full: torch.Tensor
     ) -> torch.Tensor:
