@@ -1,0 +1,214 @@
+"""GPU checks that CPU tests cannot make (run on a CUDA machine; Ray is not needed).
+
+1. The model on CUDA equals the CPU model (float32 logits) and transformers' model on CUDA.
+2. Mixed precision: the module engines train in bfloat16 autocast with float32 master weights;
+   FSDP2 (world of one) with the bfloat16 policy runs and keeps float32 master weights.
+3. The Qwen2.5-VL vision encoder at its real width (hidden 1280, 32 blocks, 4 full-attention)
+   on long single images: peak memory and time of forward + backward in bfloat16, with and
+   without activation checkpointing — window attention must keep memory linear in patches.
+4. CUDA IPC between two processes (the collocated transport) vs a host round trip.
+
+    python benchmarks/gpu_check.py [--out outputs/bench/gpu_check.json] [--patches 4096,16384,65536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from dhp.models.qwen2_5_vl.config import VisionConfig, tiny
+from dhp.models.qwen2_5_vl.model import build_model
+from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_weights
+
+
+def tiny_inputs(cfg, device):
+    g = torch.Generator().manual_seed(0)
+    grid = torch.tensor([[1, 12, 20], [1, 6, 10]])
+    ids = [5, 6, cfg.vision_start_token_id] + [cfg.image_token_id] * 60 + [cfg.vision_end_token_id]
+    ids += [7, 8, cfg.vision_start_token_id] + [cfg.image_token_id] * 15 + [cfg.vision_end_token_id] + [9] * 5
+    pv = torch.randn(12 * 20 + 6 * 10, cfg.vision.patch_dim, generator=g)
+    return torch.tensor([ids], device=device), pv.to(device), grid
+
+
+def check_parity(results: dict) -> None:
+    cfg = tiny(vocab_size=300, image_token_id=290, video_token_id=291, vision_start_token_id=292,
+               vision_end_token_id=293)
+    cpu = build_model(cfg, seed=0)
+    gpu = build_model(cfg, seed=0).cuda()
+    ids, pv, grid = tiny_inputs(cfg, "cpu")
+    ref = cpu(ids, pv, grid)
+    out = gpu(ids.cuda(), pv.cuda(), grid).cpu()
+    results["cuda_vs_cpu_logits_max_abs_diff"] = float((out - ref).abs().max())
+    try:
+        import tempfile
+
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        from dhp.models.qwen2_5_vl import save_hf_checkpoint
+
+        with tempfile.TemporaryDirectory() as d:
+            save_hf_checkpoint(cpu, d)
+            hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(d, dtype=torch.float32).cuda().eval()
+            mm = (ids == cfg.image_token_id).int()
+            hf_out = hf(input_ids=ids.cuda(), pixel_values=pv.cuda(), image_grid_thw=grid.cuda(),
+                        mm_token_type_ids=mm.cuda()).logits.cpu()
+        results["cuda_vs_transformers_cuda_logits_max_abs_diff"] = float((out - hf_out).abs().max())
+    except Exception as e:  # noqa: BLE001 - report, do not hide the other checks
+        results["transformers_check_error"] = repr(e)
+
+
+def check_bf16_training(results: dict) -> None:
+    """bf16 autocast steps of the tiny model through the engine code path (token-mean loss, clipping)."""
+    cfg = tiny(vocab_size=300, image_token_id=290, video_token_id=291, vision_start_token_id=292,
+               vision_end_token_id=293)
+    model = build_model(cfg, seed=0).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids, pv, grid = tiny_inputs(cfg, "cuda")
+    targets = torch.roll(ids, -1, dims=1)
+    targets[0, -1] = -100
+    losses = []
+    for _ in range(20):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            emb = model.visual(pv, grid)
+            loss = model.language.loss_sum(ids, model.position_ids(ids, grid), targets, emb)
+        (loss / (targets != -100).sum()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss) / int((targets != -100).sum()))
+    results["bf16_autocast_losses_first_last"] = [losses[0], losses[-1]]
+    results["bf16_master_weights_dtype"] = str(next(model.parameters()).dtype)
+
+    # FSDP2 with the bfloat16 policy (a world of one: the policy and the engine wiring, not the sharding)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dhp.parallel.sharding import apply_fsdp, mixed_precision_policy
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29581")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        text = build_model(cfg, seed=0).language.cuda()
+        apply_fsdp(text, init_device_mesh("cuda", (1,)), list(text.layers),
+                   mp_policy=mixed_precision_policy(torch.bfloat16), forward_methods=("loss_sum",))
+        text_ids = torch.randint(0, 280, (1, 64), device="cuda")
+        text_targets = torch.roll(text_ids, -1, dims=1)
+        loss = text.loss_sum(text_ids, torch.arange(64, device="cuda").expand(3, 1, -1), text_targets)
+        loss.backward()
+        grad = next(p for p in text.parameters() if p.grad is not None).grad
+        results["fsdp2_bf16_loss"] = float(loss)
+        results["fsdp2_bf16_param_dtype"] = str(next(text.parameters()).dtype)
+        results["fsdp2_bf16_grad_dtype"] = str(grad.dtype)
+        x = torch.ones(1 << 20, device="cuda")
+        dist.all_reduce(x)
+        results["nccl_all_reduce_ok"] = bool(x[0].item() == 1.0)
+    finally:
+        dist.destroy_process_group()
+
+
+def vision_memory(results: dict, patches_list: list[int]) -> None:
+    cfg = replace(VisionConfig(), out_hidden_size=3584)  # Qwen2.5-VL-7B's encoder
+    rows = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = VisionTransformer(cfg).cuda()
+        init_weights(model, 0.02)
+        if checkpointing:
+            from dhp.parallel.sharding import apply_activation_checkpointing
+
+            apply_activation_checkpointing(list(model.blocks))
+        for n in patches_list:
+            side = int(n ** 0.5) // 8 * 8
+            grid = torch.tensor([[1, side, side]])
+            pv = torch.randn(side * side, cfg.patch_dim, device="cuda")
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            try:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    out = model(pv, grid)
+                out.float().square().mean().backward()
+                torch.cuda.synchronize()
+                row = {"patches": side * side, "checkpointing": checkpointing,
+                       "peak_gb_above_weights": (torch.cuda.max_memory_allocated() - base) / 2**30,
+                       "fwd_bwd_s": time.perf_counter() - t0}
+            except torch.OutOfMemoryError:
+                row = {"patches": side * side, "checkpointing": checkpointing, "oom": True}
+            model.zero_grad(set_to_none=True)
+            del pv
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print("vision", row, flush=True)
+        del model
+        torch.cuda.empty_cache()
+    results["vision_encoder_7b_bf16"] = rows
+
+
+def _ipc_child(q_in, q_out) -> None:
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    q_out.put("ready")
+    for _ in range(2):
+        t = q_in.get()
+        torch.cuda.synchronize()
+        q_out.put(float(t[0].item()))
+        del t
+
+
+def ipc_transfer(results: dict) -> None:
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_ipc_child, args=(q_in, q_out))
+    p.start()
+    assert q_out.get(timeout=120) == "ready"  # the child's CUDA context exists: time the hand-off only
+    x = torch.full((64 << 20,), 3.0, device="cuda")  # 256 MB float32
+    q_in.put(torch.ones(1, device="cuda"))  # warm the IPC path
+    q_out.get(timeout=120)
+    t0 = time.perf_counter()
+    q_in.put(x)
+    value = q_out.get(timeout=120)
+    ipc_s = time.perf_counter() - t0
+    p.join(timeout=60)
+    t0 = time.perf_counter()
+    y = x.cpu().cuda()
+    torch.cuda.synchronize()
+    host_s = time.perf_counter() - t0
+    results["cuda_ipc_256MB"] = {"received_value": value, "ipc_handoff_s": ipc_s, "host_roundtrip_s": host_s}
+    del y
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="outputs/bench/gpu_check.json")
+    p.add_argument("--patches", default="4096,16384,65536")
+    p.add_argument("--checks", default="parity,bf16,ipc,vision")
+    args = p.parse_args()
+    checks = args.checks.split(",")
+    results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    for name, fn in (("parity", check_parity), ("bf16", check_bf16_training), ("ipc", ipc_transfer)):
+        if name not in checks:
+            continue
+        t0 = time.perf_counter()
+        try:
+            fn(results)
+        except Exception as e:  # noqa: BLE001 - report every check
+            results[f"{name}_error"] = repr(e)
+        print(name, f"{time.perf_counter() - t0:.1f}s", flush=True)
+    if "vision" in checks:
+        vision_memory(results, [int(x) for x in args.patches.split(",")])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
