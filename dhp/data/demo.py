@@ -31,7 +31,7 @@ PAIR_PROMPTS = ("What are the two digits?", "Read both digits.")
 COLLAGE_PROMPTS = ("Read the digits from left to right.", "What number is written?")
 TEXT_PROMPT = "What comes after {d}?"
 KINDS = ("single", "pair", "collage", "text")
-KIND_WEIGHTS = (0.45, 0.25, 0.25, 0.05)
+KIND_WEIGHTS = (0.55, 0.2, 0.2, 0.05)
 EVAL_FRACTION = 0.2  # share of digit instances reserved for the held-out split
 
 
@@ -102,7 +102,7 @@ def _make_item(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, po
         return _item(name, [], TEXT_PROMPT.format(d=d), str(d + 1), [])
     if kind == "single":
         idx = int(rng.choice(pool))
-        side = int(rng.integers(56, 169))
+        side = int(rng.integers(56, 113))
         width = int(side * rng.uniform(1.0, 1.5)) if rng.random() < 0.3 else side
         _save(_render(rng, pix[idx], side, width), images / f"{name}.png")
         prompt = "<image>\n" + str(rng.choice(SINGLE_PROMPTS))

@@ -100,11 +100,12 @@ class EngineWorker(WorkerBase):
     def step(self, clip_coef: float) -> dict[str, Any]:
         """Optimizer step; returns this rank's timings, transfer bytes and peak memory, then resets them."""
         t0 = time.perf_counter()
+        lr = self.engine.lr()  # the rate this step uses
         with self.comm:
             self.engine.step(clip_coef)
         self._timed("optimizer", t0)
         out = {"busy": dict(self.busy), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-               "lr": self.engine.lr(), "memory_gb": _peak_memory_gb(), "comm": self.comm.snapshot()}
+               "lr": lr, "memory_gb": _peak_memory_gb(), "comm": self.comm.snapshot()}
         self.busy.clear()
         self.bytes_in = self.bytes_out = 0
         self.comm.reset()
