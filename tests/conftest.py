@@ -24,4 +24,5 @@ def demo_overrides(demo_data, tmp_path):
         "train.micro_batch_size=4",
         "train.warmup_steps=1",
         f"output.dir={tmp_path / 'run'}",
+        "runtime.backend=local",  # the embedded default runs on Ray; tests that want Ray say so
     ]

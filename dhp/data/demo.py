@@ -102,23 +102,22 @@ def _make_item(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, po
         return _item(name, [], TEXT_PROMPT.format(d=d), str(d + 1), [])
     if kind == "single":
         idx = int(rng.choice(pool))
-        side = int(rng.integers(56, 113))
-        width = int(side * rng.uniform(1.0, 1.5)) if rng.random() < 0.3 else side
-        _save(_render(rng, pix[idx], side, width), images / f"{name}.png")
+        side = int(rng.integers(56, 71))
+        _save(_render(rng, pix[idx], side, side), images / f"{name}.png")
         prompt = "<image>\n" + str(rng.choice(SINGLE_PROMPTS))
         return _item(name, [f"images/{name}.png"], prompt, str(labels[idx]), [idx])
     if kind == "pair":
         idx = rng.choice(pool, size=2)
         paths = []
         for j, i in enumerate(idx):
-            side = int(rng.integers(56, 141))
+            side = int(rng.integers(56, 99))
             _save(_render(rng, pix[i], side, side), images / f"{name}_{j}.png")
             paths.append(f"images/{name}_{j}.png")
         answer = " ".join(str(labels[i]) for i in idx)
         return _item(name, paths, "<image>\n<image>\n" + str(rng.choice(PAIR_PROMPTS)), answer, idx)
     n = int(rng.integers(2, 4))
     idx = rng.choice(pool, size=n)
-    cell = int(rng.integers(56, 85))
+    cell = 56  # two or three cells: 112 or 168 px wide, the latter spanning two 112-px attention windows
     collage = np.concatenate([_render(rng, pix[i], cell, cell) for i in idx], axis=1)
     _save(collage, images / f"{name}.png")
     answer = " ".join(str(labels[i]) for i in idx)
@@ -137,12 +136,12 @@ def _item(name: str, image_paths: list[str], prompt: str, answer: str, sources: 
 
 
 def _render(rng: np.random.Generator, digit: np.ndarray, height: int, width: int) -> np.ndarray:
-    """An 8x8 digit (0..16) scaled to ~75-95% of ``height``, placed at random on a noisy dark canvas [H, W] uint8."""
-    size = int(height * rng.uniform(0.75, 0.95))
+    """An 8x8 digit (0..16) scaled to 85-100% of ``height``, near the centre of a noisy dark canvas [H, W] uint8."""
+    size = min(height, width, int(height * rng.uniform(0.85, 1.0)))
     glyph = Image.fromarray((digit * (255.0 / 16.0)).astype(np.uint8), "L").resize((size, size), Image.BICUBIC)
     canvas = np.full((height, width), float(rng.integers(0, 40)), dtype=np.float32)
-    top = int(rng.integers(0, height - size + 1))
-    left = int(rng.integers(0, width - size + 1))
+    top = (height - size) // 2 + int(rng.integers(-((height - size) // 4), (height - size) // 4 + 1))
+    left = (width - size) // 2 + int(rng.integers(-((width - size) // 4), (width - size) // 4 + 1))
     canvas[top:top + size, left:left + size] += np.asarray(glyph, dtype=np.float32) * rng.uniform(0.75, 1.0)
     canvas += rng.normal(0.0, 4.0, size=canvas.shape)
     return np.clip(canvas, 0, 255).astype(np.uint8)

@@ -67,7 +67,7 @@ def test_variety_and_learnable_answers(built: demo.DemoPaths) -> None:
             w, h = Image.open(built.root / paths[0]).size
             assert w >= 2 * h * 0.99 and len(answer.split()) == len(item["digits"])
     assert multi >= 10 and collage >= 10
-    assert any(w > 112 and h > 112 for w, h in sizes)  # spans several 112 px attention windows
+    assert any(w > 112 or h > 112 for w, h in sizes)  # spans several 112 px attention windows
     assert any(w <= 112 and h <= 112 for w, h in sizes)
     assert any(w != h for w, h in sizes)
     assert len({w * h for w, h in sizes}) > 30
@@ -79,7 +79,7 @@ def test_loads_cleanly_with_varied_lengths(built: demo.DemoPaths) -> None:
     ds = SFTDataset(DataConfig(), tok, built.train)
     assert len(ds) == N_TRAIN and ds.num_skipped == 0
     lengths = ds.lengths()
-    assert max(lengths) > 2 * min(lengths)
+    assert max(lengths) - min(lengths) >= 24 and len(set(lengths)) >= 5  # text-only, singles, pairs, collages
     sample = ds[0]
     assert sample.num_tokens == lengths[0]
     answer = _items(built.train)[0]["conversations"][1]["value"]
