@@ -71,7 +71,9 @@ class ParallelConfig:
 
 
 @dataclass
-class VisionModuleConfig:
+class ModuleConfig:
+    """One module group (vision encoder or language model): training switches and its parallel layout."""
+
     trainable: bool = True
     lr_scale: float = 1.0
     activation_checkpointing: bool = False
@@ -82,14 +84,6 @@ class VisionModuleConfig:
 class MergerConfig:
     trainable: bool = True
     lr_scale: float = 1.0
-
-
-@dataclass
-class TextModuleConfig:
-    trainable: bool = True
-    lr_scale: float = 1.0
-    activation_checkpointing: bool = False
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass
@@ -114,9 +108,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    vision: VisionModuleConfig = field(default_factory=VisionModuleConfig)
+    vision: ModuleConfig = field(default_factory=ModuleConfig)
     merger: MergerConfig = field(default_factory=MergerConfig)
-    text: TextModuleConfig = field(default_factory=TextModuleConfig)
+    text: ModuleConfig = field(default_factory=ModuleConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
