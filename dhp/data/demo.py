@@ -31,7 +31,7 @@ PAIR_PROMPTS = ("What are the two digits?", "Read both digits.")
 COLLAGE_PROMPTS = ("Read the digits from left to right.", "What number is written?")
 TEXT_PROMPT = "What comes after {d}?"
 KINDS = ("single", "pair", "collage", "text")
-KIND_WEIGHTS = (0.55, 0.2, 0.2, 0.05)
+KIND_WEIGHTS = (0.8, 0.07, 0.08, 0.05)
 EVAL_FRACTION = 0.2  # share of digit instances reserved for the held-out split
 
 
