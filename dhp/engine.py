@@ -283,10 +283,12 @@ class VisionEngine(ModuleEngine):
         """This rank's image embeddings of each sample that has images (detached)."""
         samples = [self.load(i) for i in sample_ids]
         with_images = [s for s in samples if s.image_grid_thw.shape[0]]
-        if not with_images:
+        if not with_images and not self.fsdp:
             return {}
-        pixels = torch.cat([s.pixel_values for s in with_images]).to(self.device)
-        grid = torch.cat([s.image_grid_thw for s in with_images])
+        # FSDP2 ranks gather and reduce in lockstep: a replica without images still runs (on zero tokens)
+        patch_dim = self.module.cfg.patch_dim
+        pixels = torch.cat([torch.zeros(0, patch_dim)] + [s.pixel_values for s in with_images]).to(self.device)
+        grid = torch.cat([torch.zeros(0, 3, dtype=torch.long)] + [s.image_grid_thw for s in with_images])
         grad_ctx = nullcontext() if self.needs_backward else torch.no_grad()
         with grad_ctx, self.autocast():
             embeds, merged_index = self._encode(pixels, grid)  # [n_local, D], image-order token index [n_local]

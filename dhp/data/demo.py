@@ -110,7 +110,7 @@ def _make_item(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, po
         idx = rng.choice(pool, size=2)
         paths = []
         for j, i in enumerate(idx):
-            side = int(rng.integers(56, 99))
+            side = int(rng.integers(56, 141))
             _save(_render(rng, pix[i], side, side), images / f"{name}_{j}.png")
             paths.append(f"images/{name}_{j}.png")
         answer = " ".join(str(labels[i]) for i in idx)

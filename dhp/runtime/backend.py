@@ -107,20 +107,23 @@ class RayBackend:
     def run_step(self, plan: StepPlan) -> StepStats:
         t_start = time.perf_counter()
         rounds = plan.rounds
-        vision_refs: list[list[Any]] = []  # vision forward/backward refs, to surface errors
+        forward_refs: list[list[Any]] = []  # waited for first: a failed forward is the root cause downstream
+        vision_refs: list[list[Any]] = []  # vision backward refs, to surface errors
         loss_refs: list[list[Any]] = []
         pieces: list[list[list[Any]]] = []  # [round][text replica] -> refs of its embedding pieces
         for k in range(len(rounds)):
             while len(pieces) < len(rounds) and len(pieces) <= k + self.ahead:
                 j = len(pieces)
-                vision_refs.append(self._submit_vision_forward(j, rounds[j]))
+                forward_refs.append(self._submit_vision_forward(j, rounds[j]))
                 pieces.append([self._pieces_for(j, rounds[j], r) for r in range(self.tl.dp)])
             loss_refs.append(self._submit_text(k, rounds[k], pieces[k]))
             if self.vision_trains:
                 vision_refs.append(self._submit_vision_backward(k, rounds[k]))
+        for refs in forward_refs:
+            self.vision.get("forward", refs)
         losses = [self.text.get("forward_backward", refs) for refs in loss_refs]
         for refs in vision_refs:
-            self.vision.get("forward/backward", refs)
+            self.vision.get("backward", refs)
         heads = [self.tl.ranks_of_replica(r)[0] for r in range(self.tl.dp)]  # one loss per text replica
         loss_sum = sum(per_round[b][0] for per_round in losses for b in heads)
         n_sup = sum(per_round[b][1] for per_round in losses for b in heads)

@@ -139,6 +139,8 @@ class VisionWorker(EngineWorker):
     @produces_tensors
     def emit(self, key: Any, sample_ids: list[int], last: bool) -> dict[int, Piece]:
         """This rank's pieces of ``sample_ids`` (a subset of round ``key``), for one text replica."""
+        if key not in self.outputs:
+            raise RuntimeError(f"vision rank {self.rank}: no output for micro-batch {key}: its forward failed")
         out = {i: self.outputs[key][i] for i in sample_ids if i in self.outputs[key]}
         if last:
             del self.outputs[key]
@@ -182,6 +184,8 @@ class TextWorker(EngineWorker):
     @produces_tensors
     def emit_grads(self, key: Any, sample_ids: list[int], last: bool) -> dict[int, torch.Tensor]:
         """d(loss)/d(embeddings) of ``sample_ids``, for the vision replica that produced them."""
+        if key not in self.grads:
+            raise RuntimeError(f"text rank {self.rank}: no gradients for micro-batch {key}: its step failed")
         out = {i: self.grads[key][i] for i in sample_ids if i in self.grads[key]}
         if last:
             del self.grads[key]

@@ -138,6 +138,7 @@ class PatchMerger(nn.Module):
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
+        self.unit = cfg.merge_unit
         self.in_dim = cfg.hidden_size * cfg.merge_unit
         self.ln_q = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = nn.Sequential(
@@ -145,7 +146,7 @@ class PatchMerger(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, C_v] -> [N/4, D_text]
-        return self.mlp(self.ln_q(x).view(-1, self.in_dim))
+        return self.mlp(self.ln_q(x).view(x.shape[0] // self.unit, self.in_dim))  # explicit: S may be 0
 
 
 class VisionTransformer(nn.Module):
