@@ -57,6 +57,7 @@ class TrainConfig:
     clip_grad_norm: float = 1.0  # <= 0 disables clipping
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # local backend; auto: cuda when available
     log_every: int = 1
     eval_at_end: bool = True
 

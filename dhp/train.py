@@ -131,8 +131,11 @@ class LocalBackend:
     def __init__(self, inputs: RunInputs, dataset: SFTDataset) -> None:
         cfg, mcfg = inputs.cfg, inputs.model_cfg
         self.cfg = cfg
-        self.vision = VisionEngine(mcfg, cfg, dataset.get, state=module_state(inputs.init_state, "visual"))
-        self.text = TextEngine(mcfg, cfg, dataset.get, state=module_state(inputs.init_state, "language"))
+        device = local_device(cfg.train.device)
+        self.vision = VisionEngine(mcfg, cfg, dataset.get, device=device,
+                                   state=module_state(inputs.init_state, "visual"))
+        self.text = TextEngine(mcfg, cfg, dataset.get, device=device,
+                               state=module_state(inputs.init_state, "language"))
         self.engines = [self.vision, self.text]
 
     def run_step(self, plan: StepPlan) -> StepStats:
@@ -161,6 +164,14 @@ class LocalBackend:
 
     def shutdown(self) -> None:
         pass
+
+
+def local_device(choice: str) -> str:
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but torch sees no CUDA device; use train.device=cpu")
+    return choice
 
 
 def finish_step(cfg: Config, engines, loss_sum: float, n_sup: int, timings: dict[str, float]) -> StepStats:
