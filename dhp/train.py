@@ -233,14 +233,17 @@ def memory_gb() -> float:
 
 def dataset_spec(cfg: Config, tokenizer_dir: Path, path: Path) -> dict:
     """What a worker needs to open the same data set and address samples by the same ids."""
-    return {"data_cfg": replace(cfg.data, path=str(path)), "tokenizer_dir": str(tokenizer_dir), "path": str(path)}
+    return {"data_cfg": replace(cfg.data, path=str(path)), "tokenizer_dir": str(tokenizer_dir), "path": str(path),
+            "validated": None}
 
 
 def open_dataset(spec: dict) -> SFTDataset:
     """The data set, validated when opened: a bad sample raises DataError naming file and sample
-    (``data.on_error=raise``) or is dropped and counted (``skip``); validation is deterministic, so
-    every worker that opens the same spec indexes the same samples."""
-    return SFTDataset(spec["data_cfg"], Tokenizer(spec["tokenizer_dir"]), path=spec["path"])
+    (``data.on_error=raise``) or is dropped and counted (``skip``). With ``spec["validated"]`` (the
+    driver's result, handed to workers) the image headers are not read again, and every worker
+    indexes exactly the samples the driver planned with."""
+    return SFTDataset(spec["data_cfg"], Tokenizer(spec["tokenizer_dir"]), path=spec["path"],
+                      validated=spec["validated"])
 
 
 def make_backend(inputs: RunInputs, dataset: SFTDataset, spec: dict) -> Backend:
@@ -267,6 +270,7 @@ def train(cfg: Config) -> dict:
     tok = Tokenizer(inputs.tokenizer_dir)
     spec = dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path)
     dataset = open_dataset(spec)
+    spec["validated"] = dataset.validation  # workers reuse it instead of reading every image header again
     planner = BatchPlanner(
         dataset.lengths(), cfg.train.global_batch_size, cfg.train.micro_batch_size,
         text_dp=cfg.text.parallel.dp, vision_dp=cfg.vision.parallel.dp, seed=cfg.train.seed,

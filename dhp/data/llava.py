@@ -58,10 +58,20 @@ class _Record:
     problem: str | None = None  # a structural problem found while parsing
 
 
+@dataclass(frozen=True)
+class ValidationResult:
+    num_records: int
+    lengths: dict[int, int]  # record index -> exact token count (good records)
+    issues: list[DataIssue]
+
+
 class SFTDataset:
     """LLaVA-style SFT samples -> ``Sample`` (ids, labels, M-RoPE positions, pixels); indexes only good samples."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, path: str | Path | None = None) -> None:
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, path: str | Path | None = None,
+                 validated: ValidationResult | None = None) -> None:
+        """``validated``: the outcome of validating this same file (``self.validation``), e.g. from the driver,
+        so that workers opening the data set do not read every image header again."""
         if path is None:
             path = cfg.path
         if path is None:
@@ -75,7 +85,14 @@ class SFTDataset:
         self._records = _read_records(self.file, self.image_root)
         self._lengths: dict[int, int] = {}  # record index -> exact token count
         self.skipped: list[DataIssue] = []
-        issues = self.validate()
+        if validated is not None:
+            if validated.num_records != len(self._records):
+                raise DataError(f"{self.file} changed since it was validated: {len(self._records)} records, "
+                                f"{validated.num_records} before")
+            self._lengths = dict(validated.lengths)
+            issues = list(validated.issues)
+        else:
+            issues = self.validate()
         bad = {issue.index for issue in issues}
         if issues and cfg.on_error == "raise":
             raise DataError(_summary(self.file, issues), issues)
@@ -84,6 +101,11 @@ class SFTDataset:
         if not self._good:
             raise DataError(f"{self.file}: no usable samples ({len(self._records)} read, {len(bad)} with problems)",
                             issues)
+
+    @property
+    def validation(self) -> ValidationResult:
+        """What validation found: hand it to another process opening the same file."""
+        return ValidationResult(len(self._records), dict(self._lengths), list(self.skipped))
 
     # ---- indexing ---------------------------------------------------------------------
     def __len__(self) -> int:

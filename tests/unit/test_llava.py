@@ -176,3 +176,35 @@ def test_loading_without_pixels_gives_the_same_sample_but_pixels(demo_data):
         assert light.pixel_values.shape[0] == 0 and light.num_patches == full.pixel_values.shape[0]
         checked += full.num_patches > 0
     assert checked >= 4
+
+
+def test_validation_handed_over_gives_the_same_data_set_without_reading_images(demo_data, tmp_path, monkeypatch):
+    """Workers open the data set with the driver's validation: same samples, lengths and skips, no image read."""
+    import json
+    import shutil
+
+    from dhp.config import DataConfig
+    from dhp.data import llava
+    from dhp.data.tokenizer import Tokenizer
+
+    rows = demo_data.train.read_text().splitlines()[:6]
+    first = json.loads(rows[0])
+    first["image"] = "images/missing.png"
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join([json.dumps(first)] + rows[1:]) + "\n")
+    shutil.copytree(demo_data.root / "images", tmp_path / "images")
+    cfg = DataConfig(path=str(data), on_error="skip")
+    tok = Tokenizer(demo_data.tokenizer)
+    driver = llava.SFTDataset(cfg, tok)
+
+    def no_image_reads(*args, **kwargs):
+        raise AssertionError("a worker read an image header again")
+
+    monkeypatch.setattr(llava.SFTDataset, "_image_tokens", no_image_reads)
+    worker = llava.SFTDataset(cfg, tok, validated=driver.validation)
+    assert len(worker) == len(driver) == 5 and worker.num_skipped == driver.num_skipped == 1
+    assert worker.lengths() == driver.lengths()
+    assert torch.equal(worker.get(0, pixels=False).input_ids, driver.get(0, pixels=False).input_ids)
+    data.write_text("\n".join(rows[1:]) + "\n")  # the file changed under the run
+    with pytest.raises(llava.DataError, match="changed since it was validated"):
+        llava.SFTDataset(cfg, tok, validated=driver.validation)
