@@ -8,7 +8,6 @@ step from a ``StepPlan``; the driver only sees sample ids, scalars and timings.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import shutil
 import sys
@@ -26,9 +25,6 @@ from dhp.data.tokenizer import Tokenizer
 from dhp.engine import TextEngine, VisionEngine
 from dhp.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, preset, read_hf_config, save_hf_checkpoint
 from dhp.models.qwen2_5_vl.weights import load_hf_state_dict, load_into
-
-log = logging.getLogger("dhp")
-
 
 # ---- what a run is made of ---------------------------------------------------------------------
 
@@ -271,8 +267,9 @@ def train(cfg: Config) -> dict:
     spec = dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path)
     dataset = open_dataset(spec)
     spec["validated"] = dataset.validation  # workers reuse it instead of reading every image header again
+    lengths = dataset.lengths()  # tokens per sample, for the plan and the per-step token count
     planner = BatchPlanner(
-        dataset.lengths(), cfg.train.global_batch_size, cfg.train.micro_batch_size,
+        lengths, cfg.train.global_batch_size, cfg.train.micro_batch_size,
         text_dp=cfg.text.parallel.dp, vision_dp=cfg.vision.parallel.dp, seed=cfg.train.seed,
     )
     print(f"dhp: {len(dataset)} training samples from {inputs.train_path} ({len(dataset.skipped)} skipped); "
@@ -286,7 +283,7 @@ def train(cfg: Config) -> dict:
             t0 = time.perf_counter()
             stats = backend.run_step(plan)
             dt = time.perf_counter() - t0
-            tokens = sum(dataset.lengths()[i] for i in plan.sample_ids)
+            tokens = sum(lengths[i] for i in plan.sample_ids)
             row = {
                 "step": step + 1, "epoch": plan.epoch, "loss": stats.loss, "lr": stats.lr,
                 "grad_norm": stats.grad_norm, "tokens": tokens, "supervised_tokens": stats.supervised_tokens,
