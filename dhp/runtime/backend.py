@@ -14,20 +14,27 @@ then ``finish_gradients(1 / N)`` on every rank (N = supervised tokens of the who
 global batch), one global norm from both groups (rank 0 of each module speaks
 for its module, each shard counted once), ``step(clip_coef)``.
 
-Every call is submitted without waiting; Ray runs an actor's calls in
-submission order, each as soon as its arguments exist. So the schedule is the
+Ray runs an actor's calls in submission order, so the schedule is the
 submission order: in ``disaggregated`` placement the vision forwards of the
 next ``runtime.vision_ahead`` rounds are submitted before the current round's
-backward, and the vision group works on them while the text group computes;
-``collocated`` groups share devices and take turns (ahead = 0). The driver holds
-ObjectRefs; tensors go worker to worker.
+text step and vision backward, and the vision group works on them while the
+text group computes; ``collocated`` groups share devices and take turns
+(ahead = 0). The driver holds ObjectRefs; tensors go worker to worker.
+
+The driver hands a tensor ref on only once the call that made it has finished
+(``WorkerGroup.wait_tensors``): each round it waits for the round's vision
+forward, then for the text step, before submitting what consumes their
+tensors. The groups still overlap (the vision forwards ahead are already
+queued), and every Ray Direct Transport send/recv pair is then started by the
+driver thread itself, in one order (see ``wait_tensors`` for the failure this
+avoids).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from dhp.config import Config, ConfigError
 from dhp.data.sampler import Round, StepPlan
@@ -36,6 +43,13 @@ from dhp.runtime.mesh import ModuleLayout
 from dhp.runtime.placement import LayoutError
 from dhp.runtime.worker import TextWorker, VisionWorker
 from dhp.train import RunInputs, StepStats, clip_coefficient, module_state
+
+
+class Emitted(NamedTuple):
+    """A tensor-producing call's result, still on the worker: the producing rank and its ObjectRef."""
+
+    rank: int
+    ref: Any
 
 
 def module_layouts(cfg: Config, heads: int, kv_heads: int) -> list[ModuleLayout]:
@@ -107,21 +121,23 @@ class RayBackend:
     def run_step(self, plan: StepPlan) -> StepStats:
         t_start = time.perf_counter()
         rounds = plan.rounds
-        forward_refs: list[list[Any]] = []  # waited for first: a failed forward is the root cause downstream
+        forward_refs: list[list[Any]] = []
+        pieces: list[list[list[Emitted]]] = []  # [round][text replica] -> the pieces it needs
+        losses: list[list[tuple[float, int]]] = []
         vision_refs: list[list[Any]] = []  # vision backward refs, to surface errors
-        loss_refs: list[list[Any]] = []
-        pieces: list[list[list[Any]]] = []  # [round][text replica] -> refs of its embedding pieces
         for k in range(len(rounds)):
-            while len(pieces) < len(rounds) and len(pieces) <= k + self.ahead:
+            while len(pieces) < len(rounds) and len(pieces) <= k + self.ahead:  # the vision group runs ahead
                 j = len(pieces)
                 forward_refs.append(self._submit_vision_forward(j, rounds[j]))
                 pieces.append([self._pieces_for(j, rounds[j], r) for r in range(self.tl.dp)])
-            loss_refs.append(self._submit_text(k, rounds[k], pieces[k]))
+            self.vision.get("forward", forward_refs[k])  # a failed forward is the root cause of what follows
+            self._wait_emitted(self.vision, "emit", [e for per_replica in pieces[k] for e in per_replica])
+            loss_refs = self._submit_text(k, rounds[k], pieces[k])
+            grads = self._grads_for(k, rounds[k]) if self.vision_trains else []  # frozen: no backward at all
+            losses.append(self.text.get("forward_backward", loss_refs))
             if self.vision_trains:
-                vision_refs.append(self._submit_vision_backward(k, rounds[k]))
-        for refs in forward_refs:
-            self.vision.get("forward", refs)
-        losses = [self.text.get("forward_backward", refs) for refs in loss_refs]
+                self._wait_emitted(self.text, "emit_grads", [e for per_replica in grads for e in per_replica])
+                vision_refs.append(self._submit_vision_backward(k, grads))
         for refs in vision_refs:
             self.vision.get("backward", refs)
         heads = [self.tl.ranks_of_replica(r)[0] for r in range(self.tl.dp)]  # one loss per text replica
@@ -139,37 +155,47 @@ class RayBackend:
         return [a.forward.remote(k, list(rnd.vision[self.vl.replica_of(i)]))
                 for i, a in enumerate(self.vision.actors)]
 
-    def _pieces_for(self, k: int, rnd: Round, r: int) -> list[Any]:
-        """Refs of the pieces text replica r needs: one per vision rank whose replica holds some of its samples."""
-        refs = []
+    def _pieces_for(self, k: int, rnd: Round, r: int) -> list[Emitted]:
+        """The pieces text replica r needs: one per vision rank whose replica holds some of its samples."""
+        out = []
         for q, vision_ids in enumerate(rnd.vision):
             shared = sorted(set(rnd.text[r]).intersection(vision_ids))
             if not shared:
                 continue
             last = not any(set(rnd.text[s]).intersection(vision_ids) for s in range(r + 1, len(rnd.text)))
             for a in self._emitting_ranks(q):
-                refs.append(self._tensor_call(self.vision, a, "emit", k, shared, last))
-        return refs
+                out.append(Emitted(a, self._tensor_call(self.vision, a, "emit", k, shared, last)))
+        return out
 
     def _emitting_ranks(self, q: int) -> list[int]:
         """Vision ranks of replica q that hold distinct pieces: every SP rank; one TP rank (they agree)."""
         ranks = self.vl.ranks_of_replica(q)
         return ranks if self.vl.inner_name == "sp" else ranks[:1]
 
-    def _submit_text(self, k: int, rnd: Round, pieces: list[list[Any]]) -> list[Any]:
-        return [a.forward_backward.remote(k, list(rnd.text[self.tl.replica_of(b)]), *pieces[self.tl.replica_of(b)])
-                for b, a in enumerate(self.text.actors)]
+    def _submit_text(self, k: int, rnd: Round, pieces: list[list[Emitted]]) -> list[Any]:
+        return [a.forward_backward.remote(k, list(rnd.text[r]), *(e.ref for e in pieces[r]))
+                for a, r in ((a, self.tl.replica_of(b)) for b, a in enumerate(self.text.actors))]
 
-    def _submit_vision_backward(self, k: int, rnd: Round) -> list[Any]:
-        grads_for: list[list[Any]] = [[] for _ in rnd.vision]  # [vision replica] -> refs from text replica heads
+    def _grads_for(self, k: int, rnd: Round) -> list[list[Emitted]]:
+        """[vision replica] -> the gradients it gets back, one from the head of each text replica it fed."""
+        out: list[list[Emitted]] = [[] for _ in rnd.vision]
         for q, vision_ids in enumerate(rnd.vision):
             holders = [r for r in range(len(rnd.text)) if set(rnd.text[r]).intersection(vision_ids)]
             for r in holders:
                 shared = sorted(set(rnd.text[r]).intersection(vision_ids))
                 last = not any(set(rnd.vision[p]).intersection(rnd.text[r]) for p in range(q + 1, len(rnd.vision)))
                 head = self.tl.ranks_of_replica(r)[0]
-                grads_for[q].append(self._tensor_call(self.text, head, "emit_grads", k, shared, last))
-        return [a.backward.remote(k, *grads_for[self.vl.replica_of(i)]) for i, a in enumerate(self.vision.actors)]
+                out[q].append(Emitted(head, self._tensor_call(self.text, head, "emit_grads", k, shared, last)))
+        return out
+
+    def _submit_vision_backward(self, k: int, grads: list[list[Emitted]]) -> list[Any]:
+        return [a.backward.remote(k, *(e.ref for e in grads[self.vl.replica_of(i)]))
+                for i, a in enumerate(self.vision.actors)]
+
+    @staticmethod
+    def _wait_emitted(group: WorkerGroup, method: str, emitted: list[Emitted]) -> None:
+        if emitted:
+            group.wait_tensors(method, [e.ref for e in emitted], [e.rank for e in emitted])
 
     @staticmethod
     def _tensor_call(group: WorkerGroup, rank: int, method: str, *args: Any) -> Any:

@@ -47,6 +47,8 @@ from dhp.runtime.placement import (
 Transport = Literal["auto", "direct", "object_store"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+TRANSPORT_METADATA_TIMEOUT_S = 120.0  # from a call's end to its RDT metadata reaching the driver: normally ms
+TRANSPORT_METADATA_GRACE_S = 5.0  # ... after which the driver checks whether the call failed
 
 
 class WorkerError(RuntimeError):
@@ -258,10 +260,12 @@ class WorkerGroup:
         """Runs ``method`` on the ranks its dispatch mode names and collects the results.
 
         Tensor-producing methods (``@produces_tensors``) return ObjectRefs, not
-        values: pass them on to another group's method, the driver never pulls them.
+        values, once the calls have finished (``wait_tensors``): pass them on to
+        another group's method, the driver never pulls them.
         """
         refs = self.submit(method, *args, **kwargs)
         if is_tensor_producer(self.worker_cls, method):
+            self.wait_tensors(method, refs, range(len(refs)))
             return collect(mode_of(self.worker_cls, method), refs)
         return collect(mode_of(self.worker_cls, method), self._gather(method, refs))
 
@@ -281,6 +285,7 @@ class WorkerGroup:
         """Runs ``method`` on one rank only (no dispatch) and waits; a producer's result stays a ref."""
         ref = self.submit_rank(rank, method, *args, **kwargs)
         if is_tensor_producer(self.worker_cls, method):
+            self.wait_tensors(method, [ref], [rank])
             return ref
         return self._gather(method, [ref], ranks=[rank])[0]
 
@@ -314,6 +319,35 @@ class WorkerGroup:
             for ref in ready:
                 values[rank_of[ref]] = self._get_one(method, rank_of[ref], ref)
         return [values[r] for r in ranks]
+
+    def wait_tensors(self, method: str, refs: Sequence[ray.ObjectRef], ranks: Sequence[int]) -> None:
+        """Waits until tensor-producing calls have finished and their tensors can be sent on, without pulling them.
+
+        Why: a ref passed to another actor before this driver knows its tensors' transport
+        metadata makes Ray queue the transfer and start it later from a callback thread.
+        Under CPU load such a queued transfer was seen never to start: the receiving
+        worker waited 60 s for tensors that were never sent (ray 2.60, gloo). Handing refs
+        on only once their metadata is here makes this thread submit every send/recv pair
+        itself, in one order. With the object store there is no metadata: finishing is enough.
+        """
+        refs = list(refs)
+        rank_of = dict(zip(refs, ranks, strict=True))
+        ready, _ = ray.wait(refs, num_returns=len(refs), fetch_local=False)
+        if self.tensor_transport is None:
+            return
+        manager = ray._private.worker.global_worker.rdt_manager
+        deadline = time.monotonic() + TRANSPORT_METADATA_TIMEOUT_S
+        for ref in ready:
+            if not manager.is_managed_object(ref.hex()):
+                continue
+            if manager.wait_for_tensor_transport_metadata(ref.hex(), TRANSPORT_METADATA_GRACE_S) is not None:
+                continue
+            # A failed call never gets metadata: its error is raised here at once. (Were the call fine and only
+            # its metadata late, this would pull its tensors to the driver once: slow, but still correct.)
+            self._get_one(method, rank_of[ref], ref)
+            if manager.wait_for_tensor_transport_metadata(ref.hex(), max(0.0, deadline - time.monotonic())) is None:
+                raise WorkerError(self.module, rank_of[ref], method, "finished, but the metadata of its tensors "
+                                  f"did not reach the driver within {TRANSPORT_METADATA_TIMEOUT_S:.0f} s")
 
     def _get_one(self, method: str, rank: int, ref: ray.ObjectRef) -> Any:
         try:

@@ -64,6 +64,12 @@ class ToyWorker(WorkerBase):
     def produce(self, seed: int, numel: int) -> torch.Tensor:
         return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
 
+    @produces_tensors
+    def produce_or_fail(self, rank: int) -> torch.Tensor:
+        if self.rank == rank:
+            raise ValueError(f"toy failure while producing, rank {self.rank}")
+        return torch.ones(3)
+
     @dispatch(Mode.SCATTER)
     def consume(self, t: torch.Tensor) -> torch.Tensor:
         return t.clone()
@@ -127,11 +133,20 @@ def test_tensor_moves_vision_to_text(disagg: Runtime, transport: str | None) -> 
     try:
         ref = vision.call("produce", [7, 8], [1000, 1000])[1]  # refs, never tensors, in the driver
         assert isinstance(ref, ray.ObjectRef)
+        # handed back only once finished, with its tensors' metadata here: the driver thread starts the transfer
+        meta = ray._private.worker.global_worker.rdt_manager.get_rdt_metadata(ref.hex())
+        assert (meta is not None and meta.tensor_transport_meta is not None) == (transport is not None)
         (got,) = text.call("consume", [ref])
     finally:
         vision.tensor_transport = "GLOO"
     expected = torch.randn(1000, generator=torch.Generator().manual_seed(8))
     assert torch.equal(got, expected)
+
+
+def test_failed_tensor_producer_names_its_rank(disagg: Runtime) -> None:
+    with pytest.raises(WorkerError, match="vision rank 1 failed in produce_or_fail") as e:
+        disagg["vision"].call("produce_or_fail", 1)
+    assert "toy failure while producing, rank 1" in str(e.value)
 
 
 def test_scatter_with_wrong_count_is_refused(disagg: Runtime) -> None:
