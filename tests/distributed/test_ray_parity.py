@@ -120,6 +120,7 @@ HYBRID = {
     "uniform_tp2": ["vision.parallel.tp=2", "text.parallel.tp=2"],
     "text_tp2_sequence_parallel": ["text.parallel.tp=2", "text.parallel.sequence_parallel=true"],
     "vision_zero1": ["vision.parallel.dp=2", "vision.parallel.zero=1"],
+    "vision_sp2_dp2_zero1": ["vision.parallel.sp=2", "vision.parallel.dp=2", "vision.parallel.zero=1"],
     "text_zero1": ["text.parallel.dp=2", "text.parallel.zero=1"],
     "vision_zero3": ["vision.parallel.dp=2", "vision.parallel.zero=3"],
     "text_zero3": ["text.parallel.dp=2", "text.parallel.zero=3"],
