@@ -127,7 +127,8 @@ def grad_norm_sq(params: Iterable[torch.Tensor]) -> float:
     """Squared L2 norm of the gradients of ``params`` (plain tensors and DTensors in any mix).
 
     Plain tensors are counted as they are (they are replicas, equal on every rank of a mesh). A DTensor's local
-    shard is squared and summed, then all-reduced over each mesh dimension on which it is ``Shard``-ed: a shard
+    shard is squared and summed, then all-reduced over each mesh dimension that splits it (``Shard``, or the
+``_StridedShard`` of FSDP2 over TP): a shard
     is counted once and a ``Replicate`` dimension once, not ``n`` times. ``Partial`` gradients are reduced first.
     Collective: every rank holding DTensor grads on a mesh must call it with the same parameters, in the same
     order. Returns the same float on every rank. Shared parameters (tied weights) are counted once.
@@ -146,7 +147,8 @@ def grad_norm_sq(params: Iterable[torch.Tensor]) -> float:
         if any(pl.is_partial() for pl in g.placements):
             g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
         local = g.to_local().detach().double().pow(2).sum()
-        dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+        # every mesh dim that splits the tensor: Shard, and FSDP2's _StridedShard (dp over tp), which is no Shard
+        dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
         key = (id(g.device_mesh), dims)
         mesh, acc = by_mesh.get(key, (g.device_mesh, torch.zeros((), dtype=torch.float64, device=local.device)))
         by_mesh[key] = (mesh, acc + local)

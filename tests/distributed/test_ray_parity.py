@@ -124,6 +124,7 @@ HYBRID = {
     "text_zero1": ["text.parallel.dp=2", "text.parallel.zero=1"],
     "vision_zero3": ["vision.parallel.dp=2", "vision.parallel.zero=3"],
     "text_zero3": ["text.parallel.dp=2", "text.parallel.zero=3"],
+    "text_tp2_dp2_zero3": ["text.parallel.tp=2", "text.parallel.dp=2", "text.parallel.zero=3"],  # 2D FSDP x TP
     "zero3_everywhere": ["vision.parallel.dp=2", "vision.parallel.zero=3", "text.parallel.dp=2",
                          "text.parallel.zero=3"],
     "activation_checkpointing": ["vision.parallel.sp=2", "vision.activation_checkpointing=true",
