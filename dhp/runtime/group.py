@@ -335,7 +335,9 @@ class WorkerGroup:
         ready, _ = ray.wait(refs, num_returns=len(refs), fetch_local=False)
         if self.tensor_transport is None:
             return
-        manager = ray._private.worker.global_worker.rdt_manager
+        manager = getattr(ray._private.worker.global_worker, "rdt_manager", None)  # Ray's RDT bookkeeping (2.60)
+        if not hasattr(manager, "wait_for_tensor_transport_metadata"):  # another Ray: finished must do
+            return
         deadline = time.monotonic() + TRANSPORT_METADATA_TIMEOUT_S
         for ref in ready:
             if not manager.is_managed_object(ref.hex()):
