@@ -25,9 +25,9 @@ The driver hands a tensor ref on only once the call that made it has finished
 (``WorkerGroup.wait_tensors``): each round it waits for the round's vision
 forward, then for the text step, before submitting what consumes their
 tensors. The groups still overlap (the vision forwards ahead are already
-queued), and every Ray Direct Transport send/recv pair is then started by the
-driver thread itself, in one order (see ``wait_tensors`` for the failure this
-avoids).
+queued); a failed producer is reported at once, by rank; and with Ray Direct
+Transport every send/recv pair is started by the driver thread itself, in one
+order (``wait_tensors``).
 """
 
 from __future__ import annotations

@@ -91,15 +91,17 @@ def choose_backend(gpus_per_worker: float) -> str:
 def resolve_transport(transport: Transport, backend: str, gpus_per_worker: float) -> str | None:
     """The Ray ``tensor_transport`` for tensor-producing methods, or None for the object store.
 
-    "auto" uses Ray Direct Transport (gloo on CPU, NCCL on GPU) except when
-    workers share a GPU (collocated, fractional GPUs): one NCCL communicator
-    cannot hold two ranks on the same device, so it falls back to the object store.
+    "auto" is Ray Direct Transport over NCCL between GPUs, and the object store
+    elsewhere: on CPU (gloo), because RDT over gloo (ray 2.60) was seen to lose
+    a transfer under CPU load, the receiver failing after 60 s (docs/runtime.md);
+    and where workers share a GPU (collocated, fractional GPUs), because one NCCL
+    communicator cannot hold two ranks on one device. "direct" forces RDT.
     """
     if transport not in ("auto", "direct", "object_store"):
         raise ValueError(f"runtime.transport must be auto, direct or object_store, got {transport!r}")
     if transport == "object_store":
         return None
-    if transport == "auto" and 0 < gpus_per_worker < 1:
+    if transport == "auto" and (backend != "nccl" or 0 < gpus_per_worker < 1):
         return None
     return "NCCL" if backend == "nccl" else "GLOO"
 
@@ -323,12 +325,12 @@ class WorkerGroup:
     def wait_tensors(self, method: str, refs: Sequence[ray.ObjectRef], ranks: Sequence[int]) -> None:
         """Waits until tensor-producing calls have finished and their tensors can be sent on, without pulling them.
 
-        Why: a ref passed to another actor before this driver knows its tensors' transport
-        metadata makes Ray queue the transfer and start it later from a callback thread.
-        Under CPU load such a queued transfer was seen never to start: the receiving
-        worker waited 60 s for tensors that were never sent (ray 2.60, gloo). Handing refs
-        on only once their metadata is here makes this thread submit every send/recv pair
-        itself, in one order. With the object store there is no metadata: finishing is enough.
+        A Ray Direct Transport ref handed to another actor before this driver has its tensors'
+        metadata makes Ray queue the transfer and start it later from a callback thread. Handing
+        refs on only once the metadata is here makes this thread start every send/recv pair, in
+        one order, and reports a failed producer at once, by rank. (It did not stop RDT over gloo
+        from losing a transfer under CPU load, which is why "auto" uses the object store on CPU:
+        ``resolve_transport``.) With the object store there is no metadata: finishing is enough.
         """
         refs = list(refs)
         rank_of = dict(zip(refs, ranks, strict=True))
