@@ -128,8 +128,8 @@ def grad_norm_sq(params: Iterable[torch.Tensor]) -> float:
 
     Plain tensors are counted as they are (they are replicas, equal on every rank of a mesh). A DTensor's local
     shard is squared and summed, then all-reduced over each mesh dimension that splits it (``Shard``, or the
-``_StridedShard`` of FSDP2 over TP): a shard
-    is counted once and a ``Replicate`` dimension once, not ``n`` times. ``Partial`` gradients are reduced first.
+    ``_StridedShard`` of FSDP2 over TP): a shard is counted once and a ``Replicate`` dimension once, not ``n``
+    times. ``Partial`` gradients are reduced first.
     Collective: every rank holding DTensor grads on a mesh must call it with the same parameters, in the same
     order. Returns the same float on every rank. Shared parameters (tied weights) are counted once.
     """

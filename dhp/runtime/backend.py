@@ -173,7 +173,7 @@ class RayBackend:
                 continue
             last = not any(set(rnd.text[s]).intersection(vision_ids) for s in range(r + 1, len(rnd.text)))
             for a in self._emitting_ranks(q):
-                out.append(Emitted(a, self._tensor_call(self.vision, a, "emit", k, shared, last)))
+                out.append(Emitted(a, self.vision.submit_rank(a, "emit", k, shared, last)))
         return out
 
     def _emitting_ranks(self, q: int) -> list[int]:
@@ -182,8 +182,11 @@ class RayBackend:
         return ranks if self.vl.inner_name == "sp" else ranks[:1]
 
     def _submit_text(self, k: int, rnd: Round, pieces: list[list[Emitted]]) -> list[Any]:
-        return [a.forward_backward.remote(k, list(rnd.text[r]), *(e.ref for e in pieces[r]))
-                for a, r in ((a, self.tl.replica_of(b)) for b, a in enumerate(self.text.actors))]
+        refs = []
+        for b, actor in enumerate(self.text.actors):
+            r = self.tl.replica_of(b)  # every TP rank of replica r gets all of r's pieces
+            refs.append(actor.forward_backward.remote(k, list(rnd.text[r]), *(e.ref for e in pieces[r])))
+        return refs
 
     def _grads_for(self, k: int, rnd: Round) -> list[list[Emitted]]:
         """[vision replica] -> the gradients it gets back, one from the head of each text replica it fed."""
@@ -194,7 +197,7 @@ class RayBackend:
                 shared = sorted(set(rnd.text[r]).intersection(vision_ids))
                 last = not any(set(rnd.vision[p]).intersection(rnd.text[r]) for p in range(q + 1, len(rnd.vision)))
                 head = self.tl.ranks_of_replica(r)[0]
-                out[q].append(Emitted(head, self._tensor_call(self.text, head, "emit_grads", k, shared, last)))
+                out[q].append(Emitted(head, self.text.submit_rank(head, "emit_grads", k, shared, last)))
         return out
 
     def _submit_vision_backward(self, k: int, grads: list[list[Emitted]]) -> list[Any]:
@@ -205,13 +208,6 @@ class RayBackend:
     def _wait_emitted(group: WorkerGroup, method: str, emitted: list[Emitted]) -> None:
         if emitted:
             group.wait_tensors(method, [e.ref for e in emitted], [e.rank for e in emitted])
-
-    @staticmethod
-    def _tensor_call(group: WorkerGroup, rank: int, method: str, *args: Any) -> Any:
-        fn = getattr(group.actors[rank], method)
-        if group.tensor_transport is not None:
-            fn = fn.options(tensor_transport=group.tensor_transport)
-        return fn.remote(*args)
 
     def _call_both(self, method: str, *args: Any) -> dict[str, list[Any]]:
         refs = {name: self.runtime[name].submit(method, *args) for name in ("vision", "text")}
