@@ -15,13 +15,25 @@ results), so they must be picklable: keep tensors on the CPU.
 
 ``fn`` must be importable by the child (a module-level function). An exception
 on any rank fails the call with that rank's traceback; a rank stuck in a
-collective fails after ``timeout_s`` instead of hanging the test session.
+collective fails after ``timeout_s`` instead of hanging the test session; a rank
+killed by a signal (a C++ abort) leaves the Python stack of each of its threads
+on stderr (``faulthandler``) and the error says which ranks had returned.
+
+Shutdown is ordered, because gloo's C++ threads do not survive an unordered one:
+every rank passes a barrier once its result is written (no rank tears the group
+down — rank 0 also hosts the TCP store — while another still uses it), destroys
+the process group, and leaves with ``os._exit`` instead of running interpreter
+finalization, where destroying gloo's leftover work objects and threads can
+abort the process (CI once saw ``terminate called without an active exception``
+from rank 0 of a passing test; a known failure mode of gloo at exit, pytorch/pytorch#179291).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+import sys
 import tempfile
 from collections.abc import Callable
 from datetime import timedelta
@@ -42,6 +54,7 @@ def free_port() -> int:
 def _entry(
     rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, timeout_s: float, args: tuple
 ) -> None:
+    faulthandler.enable()  # a C++ abort prints every thread's Python stack
     torch.set_num_threads(1)  # N ranks share a few cores: no oversubscription
     dist.init_process_group(
         "gloo",
@@ -53,17 +66,25 @@ def _entry(
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter finalization (see the module docstring); an exception above still fails the rank
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; returns the results by rank."""
     with tempfile.TemporaryDirectory(prefix="dhp-dist-") as out_dir:
-        mp.spawn(
-            _entry,
-            args=(fn, world_size, free_port(), out_dir, timeout_s, args),
-            nprocs=world_size,
-            join=True,
-        )
+        try:
+            mp.spawn(
+                _entry,
+                args=(fn, world_size, free_port(), out_dir, timeout_s, args),
+                nprocs=world_size,
+                join=True,
+            )
+        except mp.ProcessExitedException as e:
+            returned = [r for r in range(world_size) if os.path.exists(os.path.join(out_dir, f"rank{r}.pt"))]
+            raise RuntimeError(f"{e} (ranks whose function had returned: {returned}; see stderr for the stacks)") from e
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
