@@ -17,6 +17,8 @@ Everything here is PyTorch's own machinery (``ZeroRedundancyOptimizer``, ``fully
 ``zero: 1``  ``make_zero1_optimizer``. Gradients stay whole on every rank (``finish_gradients``
              all-reduces them as for plain DP, so norm and clipping are unchanged); each rank keeps
              optimizer state for and steps only the parameters it owns, then broadcasts them.
+             Under TP the "parameters" it partitions are each rank's local shards (see
+             ``make_zero1_optimizer``).
 ``zero: 3``  ``apply_fsdp``. Parameters and gradients are DTensors sharded over the dp mesh;
              FSDP2 reduce-scatters every micro-batch's gradient as a SUM (its default is a mean),
              accumulating into the sharded gradient. ``finish_gradients`` must then only scale
@@ -53,12 +55,73 @@ def make_zero1_optimizer(
     ``zero_grad`` clears every parameter's gradient. ``step()`` expects the gradients already
     summed over ``dp_group`` (``finish_gradients`` does it) and leaves every rank with the same,
     fully updated parameters. No ``state_dict`` without ``consolidate_state_dict`` first.
+
+    Tensor-parallel (DTensor) parameters: ``ZeroRedundancyOptimizer`` broadcasts with plain
+    ``torch.distributed`` calls, which DTensors do not take, so it is given each rank's local shard
+    instead (``_LocalShardZero``). That is exact for the element-wise optimizers the trainer builds
+    (AdamW, SGD): the update of a shard is the shard of the update, and the dp peers of a TP rank
+    hold the same shard, so the owner's broadcast is what each of them would have computed.
     """
-    return ZeroRedundancyOptimizer(
-        [dict(g) for g in param_groups],
-        optimizer_class=_factory_class(optimizer_factory),
-        process_group=dp_group,
-    )
+    groups = [dict(g) for g in param_groups]
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
+        return _LocalShardZero(groups, _factory_class(optimizer_factory), dp_group)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=_factory_class(optimizer_factory), process_group=dp_group)
+
+
+class _LocalShardZero(ZeroRedundancyOptimizer):
+    """ZeRO-1 over the local shards of DTensor parameters (see ``make_zero1_optimizer``).
+
+    Each parameter is stood in for by a plain tensor sharing its local storage (``to_local().detach()``,
+    the parameter itself when it is not a DTensor). ``step`` lends the stand-ins the local gradients,
+    lets ``ZeroRedundancyOptimizer`` step its partition and broadcast every stand-in from its owner
+    (in place, so the DTensor parameters change with them), and takes the gradients back;
+    ``zero_grad`` clears the parameters' own gradients.
+    """
+
+    def __init__(self, param_groups: list[dict], optimizer_class: Callable[..., torch.optim.Optimizer],
+                 dp_group: dist.ProcessGroup | None) -> None:
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its local stand-in)
+        for g in param_groups:
+            stand_ins = [_local(p).detach() for p in g["params"]]
+            self._pairs += zip(g["params"], stand_ins, strict=True)
+            g["params"] = stand_ins
+        super().__init__(param_groups, optimizer_class=optimizer_class, process_group=dp_group)
+
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
+        for p, local in self._pairs:
+            local.grad = None if p.grad is None else _local(_placed_like(p.grad, p))
+        try:
+            return super().step(closure, **kwargs)
+        finally:
+            for _, local in self._pairs:
+                local.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, local in self._pairs:
+            local.grad = None
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+
+def _placed_like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad`` laid out as ``param`` (an uneven vocab-parallel table's gradient comes back replicated)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (sharing its storage); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _factory_class(factory: OptimizerFactory) -> Callable[..., torch.optim.Optimizer]:

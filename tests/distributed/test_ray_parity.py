@@ -122,6 +122,8 @@ HYBRID = {
     "vision_zero1": ["vision.parallel.dp=2", "vision.parallel.zero=1"],
     "vision_sp2_dp2_zero1": ["vision.parallel.sp=2", "vision.parallel.dp=2", "vision.parallel.zero=1"],
     "text_zero1": ["text.parallel.dp=2", "text.parallel.zero=1"],
+    "text_tp2_dp2_zero1": ["text.parallel.tp=2", "text.parallel.dp=2", "text.parallel.zero=1"],  # ZeRO-1 x TP
+    "uniform_tp2_dp2_zero1": ["vision.parallel.tp=2", "vision.parallel.dp=2", "vision.parallel.zero=1"],
     "vision_zero3": ["vision.parallel.dp=2", "vision.parallel.zero=3"],
     "text_zero3": ["text.parallel.dp=2", "text.parallel.zero=3"],
     "text_tp2_dp2_zero3": ["text.parallel.tp=2", "text.parallel.dp=2", "text.parallel.zero=3"],  # 2D FSDP x TP

@@ -1,4 +1,5 @@
-"""FSDP2 over dp on top of TP (a 2D dp x tp mesh) keeps the unsharded gradients and their norm.
+"""ZeRO over dp on top of TP (a 2D dp x tp mesh): FSDP2 keeps the unsharded gradients and their norm;
+ZeRO-1 steps the TP shards to the single-process update with half the optimizer state per rank.
 
 FSDP2 shards TP-sharded parameters a second time along dim 0 and marks that dim ``_StridedShard``,
 which is not a ``Shard`` placement: a norm that only all-reduces over ``Shard`` dims counts each
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from dhp.models.qwen2_5_vl.model import build_model
-from dhp.parallel.sharding import apply_fsdp
+from dhp.parallel.sharding import apply_fsdp, make_zero1_optimizer, zero1_local_params
 from dhp.parallel.tensor import grad_norm_sq
 from dhp.runtime.mesh import ModuleLayout, create_mesh_groups, device_mesh
 from tests.dist_utils import run_distributed
@@ -63,3 +64,76 @@ def test_fsdp_over_tp_keeps_grads_and_norm(sharded: list[dict[str, Any]]) -> Non
         assert r["norm_sq"] == pytest.approx(DP * DP * ref_norm_sq, rel=1e-5)
         for name, p in ref.named_parameters():
             torch.testing.assert_close(r["grads"][name], DP * p.grad, rtol=1e-5, atol=1e-5)
+
+
+ZERO1_STEPS = 2
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def adamw(groups: list[dict]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+
+
+def zero1_groups(model: torch.nn.Module) -> list[dict]:
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def zero1_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dp_group: Any = None) -> None:
+    """Each dp replica sees the same sample, so the dp-summed gradient is DP x the single-process one."""
+    import torch.distributed as dist
+
+    cfg = text_cfg()
+    for _ in range(ZERO1_STEPS):
+        summed_loss(model, text_inputs(cfg))
+        for p in model.parameters():
+            if dp_group is not None:  # finish_gradients: sum each local (TP) shard with the dp peers
+                dist.all_reduce(local(p.grad), group=dp_group)
+            else:
+                p.grad.mul_(DP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _zero1_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from dhp.models.qwen2_5_vl.parallelize import parallelize_text
+
+    layout = ModuleLayout("text", DP, TP, "tp")
+    mesh = device_mesh(layout, 0, create_mesh_groups([layout], "gloo", rank), "cpu")
+    text = build_model(text_cfg(), seed=0).language
+    parallelize_text(text, mesh["tp"])
+    dp_group = mesh["dp"].get_group()
+    optimizer = make_zero1_optimizer(zero1_groups(text), adamw, dp_group)
+    zero1_train(text, optimizer, dp_group)
+    n_local = sum(local(p).numel() for p in text.parameters())
+    owned = sum(p.numel() for p in zero1_local_params(optimizer))
+    state = sum(t.numel() for st in optimizer.optim.state.values() for t in st.values() if t.ndim)
+    return {"weights": {n: full(p) for n, p in text.named_parameters()}, "local": n_local, "owned": owned,
+            "state": state, "grads_cleared": all(p.grad is None for p in text.parameters())}
+
+
+def test_zero1_over_tp_matches_single_process_update() -> None:
+    ranks = run_distributed(_zero1_worker, DP * TP, timeout_s=180)
+    ref = build_model(text_cfg(), seed=0).language
+    init = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    zero1_train(ref, adamw(zero1_groups(ref)))
+    assert min((p.detach() - init[n]).abs().max() for n, p in ref.named_parameters()) > 1e-2  # all moved
+    # AdamW divides by the root of the second moment: on its first steps a near-zero gradient's float
+    # rounding (TP sums in another order) moves a weight by up to ~lr/10, hence 1e-3 (as in test_sharding).
+    # A shard left unstepped or not broadcast would be off by ~lr = 1e-2 on every element.
+    for r in ranks:
+        assert r["grads_cleared"]
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(r["weights"][name], p.detach(), rtol=0, atol=1e-3)
+    for tp_rank in range(TP):  # the dp peers of one TP shard split its optimizer state between them
+        peers = [ranks[dp * TP + tp_rank] for dp in range(DP)]
+        assert sum(r["owned"] for r in peers) == peers[0]["local"]
+        for r in peers:
+            assert 0 < r["owned"] < r["local"]
+            assert r["state"] == 2 * r["owned"]  # AdamW: exp_avg and exp_avg_sq of owned shards only
