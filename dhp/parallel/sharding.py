@@ -66,8 +66,16 @@ def make_zero1_optimizer(
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
-        return _LocalShardZero(groups, _factory_class(optimizer_factory), dp_group)
+        zero = _LocalShardZero(groups, _factory_class(optimizer_factory), dp_group)
+        if not isinstance(zero.optim, _ELEMENTWISE):
+            raise ValueError(f"zero=1 with tensor parallelism steps each TP shard on its own, which is exact only "
+                             f"for element-wise optimizers ({', '.join(c.__name__ for c in _ELEMENTWISE)}), "
+                             f"not {type(zero.optim).__name__}")
+        return zero
     return ZeroRedundancyOptimizer(groups, optimizer_class=_factory_class(optimizer_factory), process_group=dp_group)
+
+
+_ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
 
 class _LocalShardZero(ZeroRedundancyOptimizer):
