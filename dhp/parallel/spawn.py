@@ -14,7 +14,10 @@ results), so they must be picklable: keep tensors on the CPU.
     results = run_distributed(worker, 2, torch.ones(3))  # [result of rank 0, result of rank 1]
 
 ``fn`` must be importable by the child (a module-level function). An exception
-on any rank fails the call with that rank's traceback; a rank stuck in a
+on any rank fails the call with the traceback of every rank that failed, the
+first to fail first (a rank that raises makes its peers fail in their next
+collective with "connection closed": that is not the cause, and must not hide
+it); a rank stuck in a
 collective fails after ``timeout_s`` instead of hanging the test session; a rank
 killed by a signal (a C++ abort) leaves the Python stack of each of its threads
 on stderr (``faulthandler``) and the error says which ranks had returned.
@@ -35,6 +38,8 @@ import os
 import socket
 import sys
 import tempfile
+import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -42,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 
 def free_port() -> int:
@@ -67,6 +73,12 @@ def _entry(
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
+    except BaseException:
+        path = os.path.join(out_dir, f"rank{rank}.err")  # written before any peer can notice this rank is gone
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{time.time()}\n{traceback.format_exc()}")
+        os.replace(path + ".tmp", path)  # whole or absent, even if the harness stops this rank now
+        raise
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -84,7 +96,23 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 nprocs=world_size,
                 join=True,
             )
-        except mp.ProcessExitedException as e:
-            returned = [r for r in range(world_size) if os.path.exists(os.path.join(out_dir, f"rank{r}.pt"))]
-            raise RuntimeError(f"{e} (ranks whose function had returned: {returned}; see stderr for the stacks)") from e
+        except ProcessException as e:
+            raise RuntimeError(_failure_report(e, out_dir, world_size)) from e
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _failure_report(error: Exception, out_dir: str, world_size: int) -> str:
+    """Every failed rank's traceback, earliest first, and which ranks had returned their result."""
+    failures = []
+    for r in range(world_size):
+        path = os.path.join(out_dir, f"rank{r}.err")
+        if os.path.exists(path):
+            with open(path) as f:
+                when, _, text = f.read().partition("\n")
+            failures.append((float(when), r, text))
+    returned = [r for r in range(world_size) if os.path.exists(os.path.join(out_dir, f"rank{r}.pt"))]
+    if isinstance(error, ProcessExitedException):  # killed by a signal or exited without a traceback
+        head = f"{error} (ranks whose function had returned: {returned}; see stderr for the stacks)"
+    else:
+        head = f"{len(failures)} of {world_size} ranks failed (ranks whose function had returned: {returned})"
+    return "\n".join([head] + [f"-- rank {r} --\n{text}" for _, r, text in sorted(failures)])
