@@ -67,10 +67,15 @@ def packed_attention(
     Returns [S, Hq, D]. Tokens attend only within their own segment.
     """
     seq, n_heads, _ = q.shape
-    out = q.new_empty(q.shape)
     bounds = cu_seqlens.tolist()
     if bounds[-1] != seq:
         raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the sequence has {seq} tokens")
+    if seq == 0:
+        # Nothing to attend, but q, k and v stay in the graph: their projections then get a (zero) gradient
+        # rather than none. Ranks with no tokens (an empty SP shard, a replica without images) must hand
+        # FSDP2 the same gradients as their peers, or its reduce-scatters differ in size and deadlock.
+        return q * 0 + (k.sum() + v.sum()) * 0
+    out = q.new_empty(q.shape)
     starts = torch.tensor(bounds[:-1], dtype=torch.long, device=q.device)
     lengths = torch.tensor(bounds[1:], dtype=torch.long, device=q.device) - starts
     gqa = k.shape[1] != n_heads

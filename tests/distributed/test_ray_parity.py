@@ -125,6 +125,7 @@ HYBRID = {
     "text_tp2_dp2_zero1": ["text.parallel.tp=2", "text.parallel.dp=2", "text.parallel.zero=1"],  # ZeRO-1 x TP
     "uniform_tp2_dp2_zero1": ["vision.parallel.tp=2", "vision.parallel.dp=2", "vision.parallel.zero=1"],
     "vision_zero3": ["vision.parallel.dp=2", "vision.parallel.zero=3"],
+    "vision_sp2_dp2_zero3": ["vision.parallel.sp=2", "vision.parallel.dp=2", "vision.parallel.zero=3"],  # FSDP2 x SP
     "text_zero3": ["text.parallel.dp=2", "text.parallel.zero=3"],
     "text_tp2_dp2_zero3": ["text.parallel.tp=2", "text.parallel.dp=2", "text.parallel.zero=3"],  # 2D FSDP x TP
     "zero3_everywhere": ["vision.parallel.dp=2", "vision.parallel.zero=3", "text.parallel.dp=2",
@@ -140,12 +141,21 @@ def test_hybrid_layouts_match_reference(ray_cluster, reference, demo_overrides_m
     assert_same(run(over, "ray"), reference)
 
 
-def test_text_only_samples_mixed_in_under_sp(ray_cluster, mixed_data, demo_overrides_module):
-    """Replicas whose micro-batch has no image at all run (no vision forward, no hang), and the result equals
-    the reference. vision dp=2: with 2 text-only samples of 4 per round, some replica gets none with images."""
+@pytest.fixture(scope="module")
+def mixed_reference(ray_cluster, mixed_data, demo_overrides_module):
     over = [o for o in demo_overrides_module if not o.startswith("data.path=")] + SGD + [f"data.path={mixed_data}"]
-    ref = run(over, "local")
-    got = run(over + ["vision.parallel.sp=2", "vision.parallel.dp=2", "train.micro_batch_size=4"], "ray")
+    return over, run(over, "local")
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_text_only_samples_mixed_in_under_sp(ray_cluster, mixed_reference, zero):
+    """Replicas whose micro-batch has no image at all run, and the result equals the reference. vision dp=2:
+    with 2 text-only samples of 4 per round, some replica gets none with images. zero=0: it skips the vision
+    forward; zero=3: FSDP2 needs every rank in its collectives, so it runs the encoder on zero tokens (and
+    must produce the same set of gradients as its peers)."""
+    over, ref = mixed_reference
+    got = run(over + ["vision.parallel.sp=2", "vision.parallel.dp=2", "train.micro_batch_size=4",
+                      f"vision.parallel.zero={zero}"], "ray")
     assert_same(got, ref)
 
 

@@ -23,8 +23,6 @@ def layouts(*overrides: str):
         (["vision.parallel.sp=3"], r"vision.parallel.sp=3 must divide the vision heads \(4\)"),
         (["vision.parallel.tp=3"], r"vision.parallel.tp=3 must divide the vision heads \(4\)"),
         (["text.parallel.tp=4"], r"text.parallel.tp=4 must divide the key/value heads \(2\)"),
-        (["vision.parallel.sp=2", "vision.parallel.dp=2", "vision.parallel.zero=3"],
-         r"vision.parallel: zero=3 together with sp=2 and dp=2 is not supported yet; use zero=1"),
     ],
 )
 def test_refused_layouts_name_the_key(overrides: list[str], message: str) -> None:
@@ -42,5 +40,7 @@ def test_accepted_layouts_are_dp_by_inner_meshes() -> None:
     vision_tp, text = layouts("vision.parallel.tp=2", "vision.parallel.dp=2", "vision.parallel.zero=1",
                               "text.parallel.tp=2", "text.parallel.dp=2", "text.parallel.zero=1")  # ZeRO-1 x TP
     assert (vision_tp.inner_name, vision_tp.size, text.size) == ("tp", 4, 4)
+    vision, _ = layouts("vision.parallel.sp=2", "vision.parallel.dp=2", "vision.parallel.zero=3")  # FSDP2 x SP
+    assert (vision.inner_name, vision.size) == ("sp", 4)
     assert vision.ranks_of_replica(1) == [2, 3] and vision.replica_of(3) == 1 and vision.inner_rank(3) == 1
     assert vision.groups(offset=4) == {"dp": [[4, 6], [5, 7]], "sp": [[4, 5], [6, 7]]}
