@@ -73,7 +73,7 @@ def packed_attention(
     if seq == 0:
         # Nothing to attend, but q, k and v stay in the graph: their projections then get a (zero) gradient
         # rather than none. Ranks with no tokens (an empty SP shard, a replica without images) must hand
-        # FSDP2 the same gradients as their peers, or its reduce-scatters differ in size and deadlock.
+        # FSDP2 the same gradients as their peers, or its reduce-scatters differ in size (gloo aborts, NCCL hangs).
         return q * 0 + (k.sum() + v.sum()) * 0
     out = q.new_empty(q.shape)
     starts = torch.tensor(bounds[:-1], dtype=torch.long, device=q.device)

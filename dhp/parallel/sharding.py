@@ -81,8 +81,8 @@ _ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 class _LocalShardZero(ZeroRedundancyOptimizer):
     """ZeRO-1 over the local shards of DTensor parameters (see ``make_zero1_optimizer``).
 
-    Each parameter is stood in for by a plain tensor sharing its local storage (``to_local().detach()``,
-    the parameter itself when it is not a DTensor). ``step`` lends the stand-ins the local gradients,
+    Each parameter is stood in for by a plain tensor sharing its local storage (``to_local().detach()``
+    for a DTensor, ``detach()`` for a replicated plain tensor). ``step`` lends the stand-ins the local gradients,
     lets ``ZeroRedundancyOptimizer`` step its partition and broadcast every stand-in from its owner
     (in place, so the DTensor parameters change with them), and takes the gradients back;
     ``zero_grad`` clears the parameters' own gradients.

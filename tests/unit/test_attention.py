@@ -44,3 +44,15 @@ def test_sequence_length_mismatch_is_an_error():
     q = torch.zeros(10, 2, 4)
     with pytest.raises(ValueError, match="cu_seqlens ends at 8"):
         packed_attention(q, q, q, torch.tensor([0, 8]), causal=False)
+
+
+def test_zero_tokens_keep_q_k_v_in_the_graph():
+    """A rank with no tokens must still give its projections a gradient (zeros), as its FSDP peers do."""
+    qkv = torch.nn.Linear(8, 3 * 8)
+    x = torch.zeros(0, 8)
+    q, k, v = qkv(x).view(0, 3, 2, 4).unbind(1)
+    out = packed_attention(q, k, v, torch.tensor([0]), causal=False)
+    assert out.shape == (0, 2, 4)
+    out.sum().backward()
+    assert qkv.weight.grad is not None and qkv.bias.grad is not None
+    assert not qkv.weight.grad.any() and not qkv.bias.grad.any()
