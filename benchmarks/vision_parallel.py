@@ -29,6 +29,7 @@ from dhp.models.qwen2_5_vl.config import tiny
 from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_weights, vision_layout
 from dhp.parallel.comm import CommCounter
 from dhp.parallel.spawn import run_distributed
+from dhp.parallel.tensor import local_tensor
 
 
 def build(depth: int) -> VisionTransformer:
@@ -51,12 +52,12 @@ class SavedBytes:
     """Bytes autograd saves for backward, each storage once; parameters (not activations) left out."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self.params = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.seen: set[int] = set()
         self.bytes = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        local = _local(t)
+        local = local_tensor(t)
         key = local.untyped_storage().data_ptr()
         if key not in self.seen and key not in self.params:
             self.seen.add(key)
@@ -65,12 +66,6 @@ class SavedBytes:
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def rank_run(rank: int, world: int, mode: str, patches: int, depth: int) -> dict:

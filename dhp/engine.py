@@ -196,11 +196,10 @@ class ModuleEngine:
         group = self.reduce_group()
         if self.fsdp or group is None or dist.get_world_size(group) == 1:
             return
-        from torch.distributed.tensor import DTensor
+        from dhp.parallel.tensor import local_tensor
 
         for p in self.trainable:  # TP-sharded gradients: each rank sums its own shard with its dp peers'
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(local_tensor(p.grad), op=dist.ReduceOp.SUM, group=group)
 
     def grad_norm_sq(self) -> float:
         """This module replica's squared gradient norm, each shard counted once (collective under TP/FSDP)."""

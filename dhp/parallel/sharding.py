@@ -38,6 +38,8 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.checkpoint import checkpoint
 
+from dhp.parallel.tensor import local_tensor
+
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
 
@@ -92,14 +94,14 @@ class _LocalShardZero(ZeroRedundancyOptimizer):
                  dp_group: dist.ProcessGroup | None) -> None:
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its local stand-in)
         for g in param_groups:
-            stand_ins = [_local(p).detach() for p in g["params"]]
+            stand_ins = [local_tensor(p).detach() for p in g["params"]]
             self._pairs += zip(g["params"], stand_ins, strict=True)
             g["params"] = stand_ins
         super().__init__(param_groups, optimizer_class=optimizer_class, process_group=dp_group)
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         for p, local in self._pairs:
-            local.grad = None if p.grad is None else _local(_placed_like(p.grad, p))
+            local.grad = None if p.grad is None else local_tensor(_placed_like(p.grad, p))
         try:
             return super().step(closure, **kwargs)
         finally:
@@ -123,13 +125,6 @@ def _placed_like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
         return grad.redistribute(param.device_mesh, param.placements)
     return grad
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (sharing its storage); any other tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _factory_class(factory: OptimizerFactory) -> Callable[..., torch.optim.Optimizer]:

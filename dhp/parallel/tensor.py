@@ -52,6 +52,11 @@ def check_vision_tp(num_heads: int, tp: int) -> None:
         )
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (sharing its storage); any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def shard_range(size: int, mesh: DeviceMesh, mesh_dim: int = 0) -> tuple[int, int]:
     """[start, end) of this rank's piece of a dimension of ``size`` under ``Shard`` on ``mesh_dim``.
 

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 
+from dhp.engine import param_groups
 from dhp.models.qwen2_5_vl.model import build_model
 from dhp.parallel.sharding import apply_fsdp, make_zero1_optimizer, zero1_local_params
-from dhp.parallel.tensor import grad_norm_sq
+from dhp.parallel.tensor import grad_norm_sq, local_tensor
 from dhp.runtime.mesh import ModuleLayout, create_mesh_groups, device_mesh
 from tests.dist_utils import run_distributed
 from tests.unit.test_tensor_parallel import full, text_cfg, text_inputs
@@ -69,20 +70,12 @@ def test_fsdp_over_tp_keeps_grads_and_norm(sharded: list[dict[str, Any]]) -> Non
 ZERO1_STEPS = 2
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def adamw(groups: list[dict]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 
 
 def zero1_groups(model: torch.nn.Module) -> list[dict]:
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return param_groups(model.named_parameters(), lr=1e-2, weight_decay=0.1)  # the trainer's decay/no-decay split
 
 
 def zero1_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dp_group: Any = None) -> None:
@@ -94,7 +87,7 @@ def zero1_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dp_gro
         summed_loss(model, text_inputs(cfg))
         for p in model.parameters():
             if dp_group is not None:  # finish_gradients: sum each local (TP) shard with the dp peers
-                dist.all_reduce(local(p.grad), group=dp_group)
+                dist.all_reduce(local_tensor(p.grad), group=dp_group)
             else:
                 p.grad.mul_(DP)
         optimizer.step()
@@ -111,7 +104,7 @@ def _zero1_worker(rank: int, world_size: int) -> dict[str, Any]:
     dp_group = mesh["dp"].get_group()
     optimizer = make_zero1_optimizer(zero1_groups(text), adamw, dp_group)
     zero1_train(text, optimizer, dp_group)
-    n_local = sum(local(p).numel() for p in text.parameters())
+    n_local = sum(local_tensor(p).numel() for p in text.parameters())
     owned = sum(p.numel() for p in zero1_local_params(optimizer))
     state = sum(t.numel() for st in optimizer.optim.state.values() for t in st.values() if t.ndim)
     return {"weights": {n: full(p) for n, p in text.named_parameters()}, "local": n_local, "owned": owned,

@@ -196,9 +196,9 @@ def _pipeline_pixels(replica: int, mb: int, grid: torch.Tensor, patch_dim: int) 
 def _fsdp_sp_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
 
     from dhp.parallel.sharding import apply_fsdp
+    from tests.unit.test_tensor_parallel import full
 
     sp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replica, sp_group = rank // 2, sp_groups[rank // 2]
@@ -215,8 +215,7 @@ def _fsdp_sp_worker(rank: int, world_size: int) -> dict:
         outs.append(sp_forward(model, _pipeline_pixels(replica, mb, grid, cfg.patch_dim), shard, sp_group))
     for out in outs:
         out.square().sum().backward()  # a sum over tokens: the window order of the rows does not matter
-    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
-    return {"grads": grads, "empty": empty}
+    return {"grads": {n: full(p.grad) for n, p in model.named_parameters()}, "empty": empty}
 
 
 def test_fsdp_over_dp_x_sp_with_empty_ranks_matches_unsharded():
