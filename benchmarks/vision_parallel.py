@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -28,8 +29,10 @@ import torch.distributed as dist
 from dhp.models.qwen2_5_vl.config import tiny
 from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_weights, vision_layout
 from dhp.parallel.comm import CommCounter
-from dhp.parallel.spawn import run_distributed
 from dhp.parallel.tensor import local_tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for the test harness
+from tests.spawn import run_distributed  # noqa: E402
 
 
 def build(depth: int) -> VisionTransformer:
@@ -75,7 +78,7 @@ def rank_run(rank: int, world: int, mode: str, patches: int, depth: int) -> dict
     comm = CommCounter()
     t0 = time.perf_counter()
     if mode == "sp":
-        from dhp.parallel.ulysses import parallelize_vision_sp, shard_vision, sp_forward
+        from dhp.models.qwen2_5_vl.sequence_parallel import parallelize_vision_sp, shard_vision, sp_forward
 
         parallelize_vision_sp(model, dist.group.WORLD)
         shard = shard_vision(vision_layout(grid, model.cfg), world)[rank]

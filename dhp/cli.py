@@ -15,36 +15,35 @@ def default_config_path() -> Path:
     return Path(str(resources.files("dhp") / "configs" / "demo.yaml"))
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from dhp.train import train
-
+def _config(args: argparse.Namespace):
+    """The config of ``dhp train`` / ``dhp data check``: a YAML file (default: the embedded demo) and overrides."""
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         overrides.insert(0, config)  # `dhp train key=value` with no file
         config = None
-    cfg = load_config(config or default_config_path(), overrides)
-    train(cfg)
+    return load_config(config or default_config_path(), overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dhp.train import train
+
+    train(_config(args))
     return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from dhp.models.qwen2_5_vl import build_model, count_parameters, preset, read_hf_config
+    from dhp.models.registry import get_family
 
-    mcfg = read_hf_config(args.model) if Path(args.model).is_dir() else preset(args.model)
-    model = build_model(mcfg, device="meta")
-    v, t = mcfg.vision, mcfg.text
-    rows = [
-        ("vision encoder + merger", count_parameters(model.visual),
-         f"depth {v.depth}, hidden {v.hidden_size}, heads {v.num_heads}, full attention at "
-         f"{list(v.fullatt_block_indexes)}"),
-        ("language model + lm_head", count_parameters(model.language),
-         f"layers {t.num_hidden_layers}, hidden {t.hidden_size}, heads {t.num_attention_heads}/"
-         f"{t.num_key_value_heads} kv, vocab {t.vocab_size}, tied {t.tie_word_embeddings}"),
-    ]
-    print(f"Qwen2.5-VL {args.model}")
+    family = get_family(args.family)
+    try:
+        model_cfg = family.preset_config(args.model)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"model: {e}") from None
+    rows = family.describe(model_cfg)
+    print(f"{family.name} {args.model}")
     for name, n, desc in rows:
         print(f"  {name:<26} {n / 1e9:8.3f} B  ({desc})")
-    print(f"  {'total':<26} {count_parameters(model) / 1e9:8.3f} B")
+    print(f"  {'total':<26} {sum(n for _, n, _ in rows) / 1e9:8.3f} B")
     return 0
 
 
@@ -57,12 +56,17 @@ def cmd_data_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_data_check(args: argparse.Namespace) -> int:
-    from dhp.data.tokenizer import Tokenizer
-    from dhp.train import load_dataset, resolve_inputs
+    """Validate the training data exactly as ``dhp train`` would (same config, same overrides), and report."""
+    from dhp.data.llava import DataError
+    from dhp.inputs import dataset_spec, open_dataset, resolve_inputs
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _config(args)
     inputs = resolve_inputs(cfg)
-    ds = load_dataset(cfg, Tokenizer(inputs.tokenizer_dir), inputs.train_path)
+    try:
+        ds = open_dataset(dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path))
+    except DataError as e:
+        print(f"dhp: data error: {e}", file=sys.stderr)
+        return 1
     lengths = ds.lengths()
     print(f"dhp: {inputs.train_path}: {len(ds)} good samples, {len(ds.skipped)} skipped; "
           f"tokens per sample min {min(lengths)} max {max(lengths)} mean {sum(lengths) / len(lengths):.0f}")
@@ -80,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_train)
     i = sub.add_parser("info", help="parameter counts of a preset (built on the meta device) or an HF directory")
     i.add_argument("model", help="tiny | 3b | 7b | 32b | 72b | path to a Hugging Face checkpoint")
+    i.add_argument("--family", default="qwen2_5_vl", help="model family (default: qwen2_5_vl)")
     i.set_defaults(fn=cmd_info)
     d = sub.add_parser("data", help="data tools")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -88,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(fn=cmd_data_demo)
     chk = dsub.add_parser("check", help="validate a data set as `dhp train` would, and report")
-    chk.add_argument("config", nargs="?")
-    chk.add_argument("overrides", nargs="*")
+    chk.add_argument("config", nargs="?", help="YAML config (default: the embedded configs/demo.yaml)")
+    chk.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.path=train.jsonl")
     chk.set_defaults(fn=cmd_data_check)
     return p
 

@@ -23,6 +23,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    family: str | None = None  # a registered family (qwen2_5_vl) or package.module:ATTR; unset: from hf_path
     preset: str = "tiny"  # tiny | 3b | 7b | 32b | 72b (ignored when hf_path is set)
     hf_path: str | None = None  # a Hugging Face checkpoint directory to start from
 
@@ -73,7 +74,10 @@ class ParallelConfig:
 
 @dataclass
 class ModuleConfig:
-    """One module group (vision encoder or language model): training switches and its parallel layout."""
+    """One module group (an encoder or the language model): training switches and its parallel layout.
+
+    The config has one such section per module of the model family, named by the module's role
+    (``vision``, ``audio``, ``text``)."""
 
     trainable: bool = True
     lr_scale: float = 1.0
@@ -83,6 +87,8 @@ class ModuleConfig:
 
 @dataclass
 class MergerConfig:
+    """The encoders' projectors (parameters the family marks as such: Qwen2.5-VL's merger)."""
+
     trainable: bool = True
     lr_scale: float = 1.0
 
@@ -98,10 +104,17 @@ class RuntimeConfig:
     backend: Literal["local", "ray"] = "local"
     placement: Literal["collocated", "disaggregated"] = "collocated"
     ray_address: str | None = None  # unset: RAY_ADDRESS or a new local Ray; "auto" or host:port to join
-    vision_ahead: int = 1  # micro-batches the vision group may run ahead (disaggregated)
+    encoders_ahead: int = 1  # micro-batches the encoder groups may run ahead of the text group (disaggregated)
     transport: Literal["auto", "direct", "object_store"] = "auto"
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0  # 0: CPU training (gloo)
+
+
+FIXED_SECTIONS = ("model", "data", "train", "merger", "output", "runtime")
+
+
+def _default_modules() -> dict[str, ModuleConfig]:
+    return {"vision": ModuleConfig(), "text": ModuleConfig()}
 
 
 @dataclass
@@ -109,33 +122,77 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    vision: ModuleConfig = field(default_factory=ModuleConfig)
     merger: MergerConfig = field(default_factory=MergerConfig)
-    text: ModuleConfig = field(default_factory=ModuleConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    modules: dict[str, ModuleConfig] = field(default_factory=_default_modules)  # one section per module role
 
-    def validate(self) -> None:
+    def __getattr__(self, name: str) -> ModuleConfig:
+        """``cfg.vision``, ``cfg.text``, ``cfg.audio``: the module sections, by role."""
+        modules = self.__dict__.get("modules", {})
+        if name in modules:
+            return modules[name]
+        raise AttributeError(f"config has no section {name!r} (module sections: {', '.join(modules)})")
+
+    def module(self, name: str) -> ModuleConfig:
+        """The section of module ``name`` (defaults when the family has the module but the config omits it)."""
+        return self.modules.get(name) or ModuleConfig()
+
+    def validate(self, family: Any = None) -> None:
         t = self.train
         _check(t.steps > 0, "train.steps", "must be > 0")
         _check(t.micro_batch_size > 0, "train.micro_batch_size", "must be > 0")
         _check(t.global_batch_size > 0, "train.global_batch_size", "must be > 0")
         _check(t.lr > 0, "train.lr", "must be > 0")
+        _check(t.log_every > 0, "train.log_every", "must be > 0 (print every N steps)")
         _check(0 <= t.warmup_steps, "train.warmup_steps", "must be >= 0")
         _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
         _check(self.data.max_length > 0, "data.max_length", "must be > 0")
         _check(0 < self.data.min_pixels <= self.data.max_pixels, "data.min_pixels",
                f"must be > 0 and <= data.max_pixels ({self.data.max_pixels})")
-        for name in ("vision", "text"):
-            p: ParallelConfig = getattr(self, name).parallel
-            for k in ("dp", "sp", "tp"):
-                _check(getattr(p, k) >= 1, f"{name}.parallel.{k}", "must be >= 1")
-        _check(self.runtime.vision_ahead >= 0, "runtime.vision_ahead", "must be >= 0")
-        if not (self.vision.trainable or self.merger.trainable or self.text.trainable):
-            raise ConfigError("vision.trainable, merger.trainable and text.trainable are all false: nothing to train")
+        _check(self.runtime.encoders_ahead >= 0, "runtime.encoders_ahead", "must be >= 0")
+        for name, m in self.modules.items():
+            _check_module(name, m, family.module(name) if family is not None else None, self.runtime.backend)
+        if not (any(m.trainable for m in self.modules.values()) or self.merger.trainable):
+            raise ConfigError(f"{', '.join(f'{n}.trainable' for n in self.modules)} and merger.trainable are all "
+                              "false: nothing to train")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)
+               if f.name != "modules"}
+        out.update({name: dataclasses.asdict(m) for name, m in self.modules.items()})
+        return out
+
+
+def _check_module(name: str, m: ModuleConfig, spec: Any, backend: str) -> None:
+    """A module's layout: sizes, what its family supports, and no setting that would silently do nothing."""
+    p = m.parallel
+    for k in ("dp", "sp", "tp"):
+        _check(getattr(p, k) >= 1, f"{name}.parallel.{k}", "must be >= 1")
+    _check(m.lr_scale > 0, f"{name}.lr_scale", "must be > 0")
+    if p.sp > 1 and p.tp > 1:
+        raise ConfigError(f"{name}.parallel: choose sp (Ulysses) or tp, not both")
+    if spec is not None:
+        for kind in ("sp", "tp"):
+            if getattr(p, kind) > 1 and kind not in spec.inner:
+                supported = " or ".join(("dp", *spec.inner))
+                raise ConfigError(f"{name}.parallel.{kind}: the {name} module supports {supported} only"
+                                  + (" (the language model uses tp and parallel.sequence_parallel)"
+                                     if kind == "sp" and "tp" in spec.inner else ""))
+    if p.sequence_parallel:
+        if spec is not None and not spec.sequence_parallel:
+            raise ConfigError(f"{name}.parallel.sequence_parallel: the {name} module has no Megatron sequence "
+                              f"parallelism" + (f"; use {name}.parallel.sp (Ulysses)" if spec and "sp" in spec.inner
+                                                 else ""))
+        if p.tp == 1:
+            raise ConfigError(f"{name}.parallel.sequence_parallel: it splits activations across the tp ranks and "
+                              f"does nothing with {name}.parallel.tp=1; set tp > 1 or drop it")
+    if p.zero and p.dp * p.sp == 1:
+        raise ConfigError(f"{name}.parallel.zero={p.zero}: ZeRO shards over the data-parallel (and sp) ranks and "
+                          f"does nothing with {name}.parallel.dp=1; set dp > 1 or zero=0")
+    if backend == "local" and (p.dp, p.sp, p.tp) != (1, 1, 1):
+        raise ConfigError(f"{name}.parallel: the local backend runs one process; set runtime.backend=ray for "
+                          "dp/sp/tp/zero")
 
 
 def _check(ok: bool, key: str, why: str) -> None:
@@ -164,8 +221,31 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-4)")
         _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
-    cfg = _build(Config, raw, prefix="")
-    cfg.validate()
+    return build_config(raw)
+
+
+def build_config(raw: dict[str, Any]) -> Config:
+    """A validated Config from a raw mapping: fixed sections, then one section per module of the model family."""
+    from dhp.models.registry import UnknownFamily, resolve_family
+
+    fixed = {k: v for k, v in raw.items() if k in FIXED_SECTIONS}
+    cfg = _build(Config, fixed, prefix="")
+    try:
+        family = resolve_family(cfg.model.family, cfg.model.hf_path)
+    except UnknownFamily as e:
+        raise ConfigError(str(e)) from None
+    modules = family.module_names
+    for key in raw:
+        if key not in FIXED_SECTIONS and key not in modules:
+            value = raw[key]
+            module_like = isinstance(value, dict) and set(value) <= {f.name for f in dataclasses.fields(ModuleConfig)}
+            if key == "modules" or not module_like:
+                raise ConfigError(f"unknown key {key}; valid keys in the top level: "
+                                  f"{', '.join(sorted((*FIXED_SECTIONS, *modules)))}")
+            raise ConfigError(f"{key}: the model family {family.name} has no {key} module (its modules: "
+                              f"{', '.join(modules)}); remove the section or choose another model.family")
+    cfg.modules = {name: _build(ModuleConfig, raw.get(name), prefix=f"{name}.") for name in modules}
+    cfg.validate(family)
     return cfg
 
 
@@ -245,6 +325,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             return str(value)
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """The inverse of ``Config.to_dict`` (a dumped config.yaml read back)."""
+    return build_config(data)
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:

@@ -3,23 +3,25 @@
 The single-process reference trainer and every Ray worker run these same
 classes; a layout only adds collectives. That is what makes "every layout
 equals the reference" a property of the code rather than a coincidence of two
-implementations.
+implementations. Nothing here knows a model family: the module, its
+parallelization and its data hooks come from the family's ``ModuleSpec``.
 
-Per micro-batch the driver calls::
+Per micro-batch the driver calls, for every encoder e (vision, audio, ...)::
 
-    pieces = vision.forward(key, sample_ids)     # {sample_id: (token_index [n], embeddings [n, D])}
-    loss_sum, n, grads = text.forward_backward(ids, pieces)   # grads: {sample_id: [n_img_tokens, D]}
-    vision.backward(key, grads)
+    pieces[e] = encoder_e.forward(key, sample_ids)          # {sample_id: (token_index [n], embeddings [n, D])}
+    loss_sum, n, grads = language.forward_backward(ids, pieces)   # grads: {e: {sample_id: [n_e_tokens, D]}}
+    encoder_e.backward(key, grads[e])
 
-and per step: ``finish_gradients(1 / N_global)``, ``grad_norm_sq`` on both, one
-global norm, ``step(clip_coef)`` on both. The loss is a global token mean:
+and per step: ``finish_gradients(1 / N_global)``, ``grad_norm_sq`` on every module, one
+global norm, ``step(clip_coef)`` on every module. The loss is a global token mean:
 micro-batches backpropagate summed losses, and the accumulated gradients are
 scaled once by the supervised-token count of the whole global batch (never a
 mean of micro-batch means), then summed over the ranks that hold partial sums.
 
-A piece is (token_index, embeddings): which of the sample's image tokens (in the
-order the language model places them) this rank computed. Without sequence
-parallelism a rank computes them all; under Ulysses SP each rank holds a slice.
+A piece is (token_index, embeddings): which of the sample's placeholder tokens for
+that encoder (in the order the language model places them) this rank computed.
+Without sequence parallelism a rank computes them all; under Ulysses SP each rank
+holds a slice.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,39 +37,13 @@ from torch import nn
 
 from dhp.config import Config, ParallelConfig
 from dhp.data.batch import Sample, pack
-from dhp.models.qwen2_5_vl import Qwen2_5_VLConfig
-from dhp.models.qwen2_5_vl.text import TextModel
-from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_weights, vision_layout
+from dhp.models.spec import EncoderSpec, LanguageSpec, ModuleSpec, ParallelizeOptions
+from dhp.parallel.layout import Parallel
 
 SampleLoader = Callable[..., Sample]  # (sample_id, pixels: bool) -> Sample
-Piece = tuple[torch.Tensor, torch.Tensor]  # (token index [n] into the sample's image tokens, embeddings [n, D])
+Piece = tuple[torch.Tensor, torch.Tensor]  # (token index [n] into the sample's placeholder tokens, embeddings [n, D])
 
-
-@dataclass
-class Parallel:
-    """What one rank knows of its module's layout: a (dp, inner) mesh; inner is sp or tp.
-
-    ``dp_group`` spans the data-parallel replicas at this inner position, ``inner_group``
-    the ranks of this replica, ``module_group`` all ranks of the module; ``mesh`` is the
-    2D DeviceMesh ("dp", inner) over them. The single-process reference has none.
-    """
-
-    spec: ParallelConfig
-    inner_kind: str = "none"  # "sp" | "tp" | "none"
-    dp_rank: int = 0
-    inner_rank: int = 0
-    dp_group: Any = None
-    inner_group: Any = None
-    module_group: Any = None
-    mesh: Any = None
-
-    @property
-    def inner(self) -> int:
-        return self.spec.sp if self.inner_kind == "sp" else self.spec.tp
-
-    @property
-    def distributed(self) -> bool:
-        return self.module_group is not None and dist.get_world_size(self.module_group) > 1
+__all__ = ["EncoderEngine", "LanguageEngine", "ModuleEngine", "Parallel", "Piece", "assemble", "single_process"]
 
 
 def single_process(spec: ParallelConfig | None = None) -> Parallel:
@@ -109,48 +84,76 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], lr: float, weight_de
     ]
 
 
+def build_module(spec: ModuleSpec, model_cfg: Any, seed: int, device: str | torch.device,
+                 state: dict[str, torch.Tensor] | None) -> nn.Module:
+    """The module initialised from ``seed + spec.seed_offset`` (as the whole model would be), or from ``state``."""
+    module = spec.build(model_cfg)
+    if state is None:
+        spec.init(module, seed + spec.seed_offset)
+    else:
+        _load(module, state)
+    return module.to(device)
+
+
+def _load(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    missing, unexpected = module.load_state_dict(state, strict=False)  # copies into float32 master weights
+    tied = {n for n, p in module.named_parameters(remove_duplicate=False)} - {n for n, _ in module.named_parameters()}
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise KeyError(f"weights do not fit the {type(module).__name__}: missing {missing}, unknown {unexpected}")
+
+
 class ModuleEngine:
     """One module, its optimizer and LR schedule, and the process groups of its layout."""
 
-    role: str
-
-    def __init__(self, module: nn.Module, cfg: Config, par: Parallel, blocks: list[nn.Module],
-                 group_of: Callable[[str], tuple[float, bool]], forward_methods: tuple[str, ...] = (),
-                 fsdp_units: list[nn.Module] | None = None) -> None:
-        """``group_of(param_name) -> (lr_scale, trainable)``. Parallelism is applied in a fixed order:
-        1. tensor or sequence parallelism (by the subclass, before this),
-        2. activation checkpointing of the blocks,
-        3. ZeRO-3 (FSDP2) over the ranks that hold partial gradients,
-        4. the optimizer (ZeRO-1: its state sharded over those ranks)."""
-        self.module, self.cfg, self.par = module, cfg, par
-        self.device = next(module.parameters()).device
+    def __init__(self, spec: ModuleSpec, model_cfg: Any, cfg: Config, par: Parallel | None = None,
+                 device: str = "cpu", state: dict[str, torch.Tensor] | None = None) -> None:
+        """Builds the module, then the family's ``parallelize`` applies, in this fixed order:
+        1. tensor or sequence parallelism, 2. activation checkpointing, 3. ZeRO-3 (FSDP2) over the ranks
+        that hold partial gradients; then 4. the optimizer (ZeRO-1: its state sharded over those ranks)."""
+        self.spec, self.model_cfg, self.cfg = spec, model_cfg, cfg
+        self.mcfg = cfg.module(spec.name)
+        self.par = par or single_process(self.mcfg.parallel)
+        self.module = build_module(spec, model_cfg, cfg.train.seed, device, state)
+        self.device = next(self.module.parameters()).device
         self.amp = cfg.train.dtype == "bfloat16"
-        spec = par.spec
-        for name, p in module.named_parameters():
-            p.requires_grad_(group_of(name)[1])
-        if getattr(cfg, self.role).activation_checkpointing:
-            from dhp.parallel.sharding import apply_activation_checkpointing
+        self._set_trainable()
+        self.fsdp = self.mcfg.parallel.zero == 3 and self.par.distributed
+        policy = None
+        if self.fsdp and self.amp and self.device.type == "cuda":
+            from dhp.parallel.sharding import mixed_precision_policy
 
-            apply_activation_checkpointing(blocks)
-        self.fsdp = spec.zero == 3 and par.distributed
-        if self.fsdp:
-            from dhp.parallel.sharding import apply_fsdp, mixed_precision_policy
-
-            policy = mixed_precision_policy(torch.bfloat16) if self.amp and self.device.type == "cuda" else None
-            if policy is not None:
-                self.amp = False  # FSDP2 casts parameters and compute itself
-            apply_fsdp(module, self.reduce_mesh(), fsdp_units or blocks, mp_policy=policy,
-                       forward_methods=forward_methods)
-        named = list({id(p): (n, p) for n, p in module.named_parameters()}.values())  # tied weights once
+            policy = mixed_precision_policy(torch.bfloat16)
+            self.amp = False  # FSDP2 casts parameters and compute itself
+        opts = ParallelizeOptions(activation_checkpointing=self.mcfg.activation_checkpointing,
+                                  fsdp_mesh=self.reduce_mesh() if self.fsdp else None, mp_policy=policy,
+                                  sequence_parallel=self.mcfg.parallel.sequence_parallel)
+        spec.parallelize(self.module, self.par, opts)
+        self._set_trainable()  # TP and FSDP2 replace parameters: the flags hold on the new ones too
+        named = list({id(p): (n, p) for n, p in self.module.named_parameters()}.values())  # tied weights once
         groups = []
-        for scale in sorted({group_of(n)[0] for n, _ in named}):
-            chosen = [(n, p) for n, p in named if group_of(n)[0] == scale]
+        for scale in sorted({self._group_of(n)[0] for n, _ in named}):
+            chosen = [(n, p) for n, p in named if self._group_of(n)[0] == scale]
             groups += param_groups(chosen, cfg.train.lr * scale, cfg.train.weight_decay)
         self.trainable = [p for g in groups for p in g["params"]]
         self.optimizer = self._optimizer(groups) if self.trainable else None
         self.scheduler = (
             torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg)) if self.optimizer else None
         )
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def _group_of(self, name: str) -> tuple[float, bool]:
+        """(lr scale, trainable) of a parameter: the family's projector parameters follow the `merger` section."""
+        if _unwrapped(name).startswith(self.spec.projector_prefixes or ("\0",)):
+            return self.cfg.merger.lr_scale, self.cfg.merger.trainable
+        return self.mcfg.lr_scale, self.mcfg.trainable
+
+    def _set_trainable(self) -> None:
+        for name, p in self.module.named_parameters():
+            p.requires_grad_(self._group_of(name)[1])
 
     # ---- layout ----------------------------------------------------------------------------
     def reduce_group(self):
@@ -222,13 +225,15 @@ class ModuleEngine:
         return self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights on the CPU; collective when parameters are DTensors."""
+        """Full (unsharded) weights on the CPU in the family's canonical layout; collective when sharded."""
         from torch.distributed.tensor import DTensor
 
         out = {}
         for k, v in self.module.state_dict().items():
             v = v.full_tensor() if isinstance(v, DTensor) else v
             out[_unwrapped(k)] = v.detach().to("cpu", copy=True)
+        if self.spec.export is not None:
+            out = self.spec.export(out, self.par, self.module)
         return out
 
 
@@ -237,31 +242,15 @@ def _unwrapped(key: str) -> str:
     return key.replace("._checkpoint_wrapped_module", "")
 
 
-class VisionEngine(ModuleEngine):
-    """Vision encoder + merger. Keeps each micro-batch's graph until its gradient comes back."""
+class EncoderEngine(ModuleEngine):
+    """An encoder (and its projector). Keeps each micro-batch's graph until its gradient comes back."""
 
-    role = "vision"
+    spec: EncoderSpec
 
-    def __init__(self, model_cfg: Qwen2_5_VLConfig, cfg: Config, load: SampleLoader,
+    def __init__(self, spec: EncoderSpec, model_cfg: Any, cfg: Config, load: SampleLoader,
                  par: Parallel | None = None, device: str = "cpu",
-                 state: dict[str, torch.Tensor] | None = None):
-        par = par or single_process(cfg.vision.parallel)
-        module = build_vision(model_cfg, cfg.train.seed, device, state)
-        if par.inner_kind == "tp":  # the uniform-TP baseline
-            from dhp.models.qwen2_5_vl.parallelize import parallelize_vision_tp
-
-            parallelize_vision_tp(module, par.mesh["tp"])
-        elif par.inner_kind == "sp":
-            from dhp.parallel.ulysses import parallelize_vision_sp
-
-            parallelize_vision_sp(module, par.inner_group)
-        v, m = cfg.vision, cfg.merger
-
-        def group_of(name: str) -> tuple[float, bool]:
-            return (m.lr_scale, m.trainable) if name.startswith("merger.") else (v.lr_scale, v.trainable)
-
-        super().__init__(module, cfg, par, list(module.blocks), group_of, forward_methods=("encode_rows",),
-                         fsdp_units=[module.patch_embed, *module.blocks, module.merger])
+                 state: dict[str, torch.Tensor] | None = None) -> None:
+        super().__init__(spec, model_cfg, cfg, par, device, state)
         self.load = load
         self.pending: dict[object, tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
@@ -269,36 +258,24 @@ class VisionEngine(ModuleEngine):
     def needs_backward(self) -> bool:
         return bool(self.trainable)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        out = super().state_dict()
-        if self.par.inner_kind == "tp":  # the TP plan keeps fused qkv rows grouped by rank: undo it
-            from dhp.models.qwen2_5_vl.parallelize import qkv_rows_from_rank_order
-
-            for k in [k for k in out if k.endswith(("attn.qkv.weight", "attn.qkv.bias"))]:
-                out[k] = qkv_rows_from_rank_order(out[k], self.module.cfg.num_heads, self.par.spec.tp)
-        return out
-
     def forward(self, key: object, sample_ids: list[int]) -> dict[int, Piece]:
-        """This rank's image embeddings of each sample that has images (detached)."""
+        """This rank's embeddings of each sample that carries this encoder's modality (detached)."""
         samples = [self.load(i) for i in sample_ids]
-        with_images = [s for s in samples if s.image_grid_thw.shape[0]]
-        if not with_images and not self.fsdp:
+        carrying = [s for s in samples if self.spec.num_tokens(s, self.model_cfg)]
+        if not carrying and not self.fsdp:
             return {}
-        # FSDP2 ranks gather and reduce in lockstep: a replica without images still runs (on zero tokens)
-        patch_dim = self.module.cfg.patch_dim
-        pixels = torch.cat([torch.zeros(0, patch_dim)] + [s.pixel_values for s in with_images]).to(self.device)
-        grid = torch.cat([torch.zeros(0, 3, dtype=torch.long)] + [s.image_grid_thw for s in with_images])
+        # FSDP2 ranks gather and reduce in lockstep: a replica without media still runs (on zero tokens)
         grad_ctx = nullcontext() if self.needs_backward else torch.no_grad()
         with grad_ctx, self.autocast():
-            embeds, merged_index = self._encode(pixels, grid)  # [n_local, D], image-order token index [n_local]
+            embeds, index = self.spec.encode(self.module, carrying, self.par, self.device)  # [n_local, D], [n_local]
             embeds = embeds.float()
         pieces, rows = {}, {}
         start = 0
-        for s in with_images:
-            end = start + s.num_image_tokens
-            mine = ((merged_index >= start) & (merged_index < end)).nonzero().flatten()  # local rows
+        for s in carrying:
+            end = start + self.spec.num_tokens(s, self.model_cfg)
+            mine = ((index >= start) & (index < end)).nonzero().flatten()  # local rows
             if len(mine):
-                token_index = merged_index[mine] - start  # which of the sample's image tokens
+                token_index = index[mine] - start  # which of the sample's placeholder tokens
                 rows[s.index] = (mine, token_index)
                 pieces[s.index] = (token_index, embeds.detach()[mine])
             start = end
@@ -306,21 +283,10 @@ class VisionEngine(ModuleEngine):
             self.pending[key] = (embeds, rows)
         return pieces
 
-    def _encode(self, pixels: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (embeddings of this rank's merged tokens, their image-order index in the batch)."""
-        if self.par.inner_kind != "sp":
-            out = self.module(pixels, grid)  # image order
-            return out, torch.arange(out.shape[0], device=out.device)
-        from dhp.parallel.ulysses import shard_vision, sp_forward
-
-        shard = shard_vision(vision_layout(grid.cpu(), self.module.cfg), self.par.spec.sp)[self.par.inner_rank]
-        out = sp_forward(self.module, pixels, shard, self.par.inner_group)
-        return out, shard.merged_index.to(out.device)
-
     def backward(self, key: object, grads: dict[int, torch.Tensor]) -> None:
         """Backpropagate the loss gradient w.r.t. the embeddings this rank produced for ``key``.
 
-        ``grads`` holds each sample's whole gradient [n_img_tokens, D]; this rank takes its rows."""
+        ``grads`` holds each sample's whole gradient [n_tokens, D]; this rank takes its rows."""
         if not self.needs_backward or key not in self.pending:
             return
         embeds, rows = self.pending.pop(key)
@@ -330,88 +296,66 @@ class VisionEngine(ModuleEngine):
         embeds.backward(grad)
 
 
-class TextEngine(ModuleEngine):
-    """Language model + lm_head: forward and backward of a micro-batch in one call."""
+class LanguageEngine(ModuleEngine):
+    """The language model + head: forward and backward of a micro-batch in one call."""
 
-    role = "text"
+    spec: LanguageSpec
 
-    def __init__(self, model_cfg: Qwen2_5_VLConfig, cfg: Config, load: SampleLoader,
-                 par: Parallel | None = None, device: str = "cpu",
-                 state: dict[str, torch.Tensor] | None = None):
-        par = par or single_process(cfg.text.parallel)
-        module = build_text(model_cfg, cfg.train.seed, device, state)
-        if par.inner_kind == "tp":
-            from dhp.models.qwen2_5_vl.parallelize import parallelize_text
-
-            parallelize_text(module, par.mesh["tp"], cfg.text.parallel.sequence_parallel)
-        t = cfg.text
-        super().__init__(module, cfg, par, list(module.layers), lambda name: (t.lr_scale, t.trainable),
-                         forward_methods=("loss_sum",))
+    def __init__(self, spec: LanguageSpec, encoders: tuple[EncoderSpec, ...], model_cfg: Any, cfg: Config,
+                 load: SampleLoader, par: Parallel | None = None, device: str = "cpu",
+                 state: dict[str, torch.Tensor] | None = None) -> None:
+        super().__init__(spec, model_cfg, cfg, par, device, state)
+        self.encoders = encoders
         self.load = load
-        self.embeds_need_grad = cfg.vision.trainable or cfg.merger.trainable
+        self.encoder_trains = {e.name: encoder_trains(cfg, e) for e in encoders}
 
     def forward_backward(
-        self, sample_ids: list[int], pieces: dict[int, list[Piece]]
-    ) -> tuple[float, int, dict[int, torch.Tensor]]:
-        """Summed loss, supervised tokens, and d(summed loss)/d(image embeddings) per sample."""
-        samples = [self.load(i, pixels=False) for i in sample_ids]  # image grids only: no pixel decoding
+        self, sample_ids: list[int], pieces: dict[str, dict[int, list[Piece]]]
+    ) -> tuple[float, int, dict[str, dict[int, torch.Tensor]]]:
+        """Summed loss, supervised tokens, and per encoder d(summed loss)/d(embeddings) per sample."""
+        samples = [self.load(i, pixels=False) for i in sample_ids]  # placeholders only: no media decoding
         batch = pack(samples)
-        with_images = [s for s in samples if s.image_grid_thw.shape[0]]
-        leaves = {s.index: assemble(pieces.get(s.index, []), s.num_image_tokens, s.index).to(self.device)
-                  .requires_grad_(self.embeds_need_grad) for s in with_images}
-        image_embeds = torch.cat([leaves[s.index] for s in with_images]) if with_images else None
+        media: dict[int, torch.Tensor] = {}
+        leaves: dict[str, dict[int, torch.Tensor]] = {}
+        for enc in self.encoders:
+            carrying = [s for s in samples if enc.num_tokens(s, self.model_cfg)]
+            if not carrying:
+                continue
+            got = pieces.get(enc.name, {})
+            leaves[enc.name] = {
+                s.index: assemble(got.get(s.index, []), enc.num_tokens(s, self.model_cfg), s.index, enc.name)
+                .to(self.device).requires_grad_(self.encoder_trains[enc.name]) for s in carrying
+            }
+            media[enc.token_id(self.model_cfg)] = torch.cat([leaves[enc.name][s.index] for s in carrying])
         with self.autocast():
             loss = self.module.loss_sum(
                 batch.input_ids.to(self.device),
                 batch.position_ids.to(self.device),
                 batch.targets.to(self.device),
-                image_embeds,
+                media,
                 batch.cu_seqlens,
             )
         if loss.requires_grad:
             loss.backward()
-        grads = {}
-        if self.embeds_need_grad:
-            grads = {i: leaf.grad for i, leaf in leaves.items()}
+        grads = {name: {i: leaf.grad for i, leaf in per_sample.items()}
+                 for name, per_sample in leaves.items() if self.encoder_trains[name]}
         return float(loss.detach()), batch.num_supervised, grads
 
 
-def assemble(pieces: list[Piece], n_tokens: int, sample_id: int) -> torch.Tensor:
-    """A sample's image embeddings [n_tokens, D] from the pieces the vision ranks computed."""
+def encoder_trains(cfg: Config, spec: EncoderSpec) -> bool:
+    """Whether any parameter of the encoder (or its projector) trains: else it never runs a backward."""
+    return cfg.module(spec.name).trainable or bool(spec.projector_prefixes and cfg.merger.trainable)
+
+
+def assemble(pieces: list[Piece], n_tokens: int, sample_id: int, module: str = "vision") -> torch.Tensor:
+    """A sample's embeddings [n_tokens, D] for one encoder, from the pieces its ranks computed."""
     if not pieces:
-        raise RuntimeError(f"sample {sample_id}: no image embeddings arrived from the vision group")
+        raise RuntimeError(f"sample {sample_id}: no embeddings arrived from the {module} group")
     out = pieces[0][1].new_zeros(n_tokens, pieces[0][1].shape[-1])
     seen = 0
     for index, emb in pieces:
         out[index] = emb
         seen += len(index)
     if seen != n_tokens:
-        raise RuntimeError(f"sample {sample_id}: {seen} of {n_tokens} image embeddings arrived")
+        raise RuntimeError(f"sample {sample_id}: {seen} of {n_tokens} {module} embeddings arrived")
     return out
-
-
-def build_vision(model_cfg: Qwen2_5_VLConfig, seed: int, device: str,
-                 state: dict[str, torch.Tensor] | None) -> VisionTransformer:
-    """The vision module initialised exactly as ``build_model(cfg, seed=seed).visual`` (or from ``state``)."""
-    module = VisionTransformer(model_cfg.vision)
-    _init_or_load(module, seed, state)
-    return module.to(device)
-
-
-def build_text(model_cfg: Qwen2_5_VLConfig, seed: int, device: str,
-               state: dict[str, torch.Tensor] | None) -> TextModel:
-    module = TextModel(model_cfg.text, model_cfg.image_token_id)
-    _init_or_load(module, seed + 1, state)
-    return module.to(device)
-
-
-def _init_or_load(module: nn.Module, seed: int, state: dict[str, torch.Tensor] | None) -> None:
-    if state is None:
-        torch.manual_seed(seed)
-        init_weights(module, std=0.02)
-        return
-    missing, unexpected = module.load_state_dict(state, strict=False)  # copies into float32 master weights
-    tied_ok = {"lm_head.weight"} if getattr(getattr(module, "cfg", None), "tie_word_embeddings", False) else set()
-    missing = [k for k in missing if k not in tied_ok]
-    if missing or unexpected:
-        raise KeyError(f"weights do not fit the {type(module).__name__}: missing {missing}, unknown {unexpected}")

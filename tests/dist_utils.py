@@ -1,5 +1,5 @@
-"""Multi-process helpers for tests: see ``dhp.parallel.spawn``."""
+"""Multi-process helpers for tests: see ``tests/spawn.py``."""
 
-from dhp.parallel.spawn import free_port, run_distributed
+from tests.spawn import free_port, run_distributed
 
 __all__ = ["free_port", "run_distributed"]

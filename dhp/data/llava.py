@@ -12,7 +12,8 @@ from image headers only (no pixel decoding), so batch plans are exact and cheap.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ from PIL import Image
 from dhp.config import DataConfig
 from dhp.data.batch import Sample
 from dhp.data.mrope import rope_index
-from dhp.data.processor import PATCH_DIM, grid_thw_for_size, image_tokens, process_image, smart_resize
+from dhp.data.processor import PATCH_DIM, grid_thw_for_size, process_image, smart_resize
 from dhp.data.tokenizer import IMAGE_PLACEHOLDER, Tokenizer
+from dhp.models.spec import SampleInfo
 
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MESSAGE_ROLES = ("system", "user", "assistant")
@@ -63,6 +65,8 @@ class ValidationResult:
     num_records: int
     lengths: dict[int, int]  # record index -> exact token count (good records)
     issues: list[DataIssue]
+    grids: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)  # record -> (t, h, w) per image
+    token_counts: dict[int, dict[int, int]] = field(default_factory=dict)  # record -> {special token id: count}
 
 
 class SFTDataset:
@@ -84,12 +88,15 @@ class SFTDataset:
         self.image_root = Path(cfg.image_root) if cfg.image_root else self.file.parent
         self._records = _read_records(self.file, self.image_root)
         self._lengths: dict[int, int] = {}  # record index -> exact token count
+        self._grids: dict[int, tuple[tuple[int, int, int], ...]] = {}
+        self._token_counts: dict[int, dict[int, int]] = {}
         self.skipped: list[DataIssue] = []
         if validated is not None:
             if validated.num_records != len(self._records):
                 raise DataError(f"{self.file} changed since it was validated: {len(self._records)} records, "
                                 f"{validated.num_records} before")
             self._lengths = dict(validated.lengths)
+            self._grids, self._token_counts = dict(validated.grids), dict(validated.token_counts)
             issues = list(validated.issues)
         else:
             issues = self.validate()
@@ -105,7 +112,8 @@ class SFTDataset:
     @property
     def validation(self) -> ValidationResult:
         """What validation found: hand it to another process opening the same file."""
-        return ValidationResult(len(self._records), dict(self._lengths), list(self.skipped))
+        return ValidationResult(len(self._records), dict(self._lengths), list(self.skipped), dict(self._grids),
+                                dict(self._token_counts))
 
     # ---- indexing ---------------------------------------------------------------------
     def __len__(self) -> int:
@@ -122,6 +130,11 @@ class SFTDataset:
     def lengths(self) -> list[int]:
         """Exact token count of every sample (from image headers, no pixel decoding)."""
         return [self._lengths[k] for k in self._good]
+
+    def info(self, i: int) -> SampleInfo:
+        """What the planner needs of sample ``i`` (token count, image grids, special-token counts), no decoding."""
+        k = self._good[i]
+        return SampleInfo(i, self._lengths[k], self._grids.get(k, ()), self._token_counts.get(k, {}))
 
     def __getitem__(self, i: int) -> Sample:
         return self.get(i)
@@ -171,35 +184,40 @@ class SFTDataset:
         if rec.problem:
             return [rec.problem]
         problems = _check_conversation(rec)
-        counts: list[int] = []
+        grids: list[tuple[int, int, int]] = []
         for img_path in rec.images:
-            n, problem = self._image_tokens(img_path)
+            grid, problem = self._image_grid(img_path)
             if problem:
                 problems.append(problem)
-            counts.append(n)
+            grids.append(grid)
         if problems:
             return problems
-        ids, _ = self.tokenizer.encode_conversation(rec.messages, counts)
+        ids, _ = self.tokenizer.encode_conversation(rec.messages, [t * h * w // 4 for t, h, w in grids])
         self._lengths[rec.index] = len(ids)
+        self._grids[rec.index] = tuple(grids)
+        special = set(self.tokenizer.special_ids())
+        self._token_counts[rec.index] = {t: n for t, n in Counter(ids).items() if t in special}
         if len(ids) > self.cfg.max_length:
             return [f"{len(ids)} tokens, longer than data.max_length={self.cfg.max_length} (samples are never "
                     "truncated); raise data.max_length, lower data.max_pixels, or shorten the sample"]
         return []
 
-    def _image_tokens(self, img_path: Path) -> tuple[int, str | None]:
+    def _image_grid(self, img_path: Path) -> tuple[tuple[int, int, int], str | None]:
+        """The image's (t, h, w) patch grid after resizing, from its header; or a problem."""
         if not img_path.is_file():
-            return 0, f"image file {img_path} does not exist; fix the path (relative to {self.image_root}) or add it"
+            return (0, 0, 0), (f"image file {img_path} does not exist; fix the path (relative to "
+                               f"{self.image_root}) or add it")
         try:
             with Image.open(img_path) as img:
                 width, height = img.size
                 img.verify()
         except Exception as e:  # PIL raises many types for corrupt files
-            return 0, f"image {img_path} is unreadable or corrupt ({type(e).__name__}: {e}); replace the file"
+            return (0, 0, 0), f"image {img_path} is unreadable or corrupt ({type(e).__name__}: {e}); replace the file"
         try:
             smart_resize(height, width, 28, self.cfg.min_pixels, self.cfg.max_pixels)
         except ValueError as e:
-            return 0, f"image {img_path}: {e}"
-        return image_tokens(width, height, self.cfg.min_pixels, self.cfg.max_pixels), None
+            return (0, 0, 0), f"image {img_path}: {e}"
+        return grid_thw_for_size(width, height, self.cfg.min_pixels, self.cfg.max_pixels), None
 
 
 def _summary(file: Path, issues: list[DataIssue]) -> str:

@@ -1,31 +1,63 @@
 """The batch plan: which samples each replica of each module group processes, per step.
 
 Deterministic from (seed, epoch, step) alone, so a resumed run sees exactly the
-batches it would have seen. A global batch is cut into ``n_micro`` rounds; in
-each round every text replica takes one micro-batch, and the round's samples
-are spread over the vision replicas. Both cuts balance token counts greedily
-(longest first to the least loaded), which keeps replicas busy equally long.
+batches it would have seen. The plan is keyed by module (``"text"``, ``"vision"``,
+``"audio"``, ...), and every module balances its own cost:
+
+* The language model (``language``, ``"text"`` by default) cuts the global batch
+  into ``n_micro`` rounds; in each round each of its replicas takes exactly
+  ``micro_batch_size`` samples. The cut is longest-first greedy on
+  ``costs[language]``, first over replicas (``global_batch_size / dp`` each),
+  then over rounds within a replica.
+* Every other module is an encoder. In each round it takes the round's samples
+  that carry its modality (cost > 0) and spreads them over its own replicas
+  with the same greedy on its own costs, with no per-replica count: a replica
+  may get several samples, one, or none. Samples without the modality are not
+  given to that encoder at all.
+
+See docs/balancing.md for the cost models and the imbalance metric.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from dhp.config import ConfigError
 
+Parts = tuple[tuple[int, ...], ...]
+
 
 @dataclass(frozen=True)
 class Round:
-    """One micro-batch round: sample ids per text replica and per vision replica."""
+    """One micro-batch round: per module, the sample ids of each of its replicas.
 
-    text: tuple[tuple[int, ...], ...]
-    vision: tuple[tuple[int, ...], ...]
+    ``parts[module][r]`` are the ids replica ``r`` of ``module`` processes in this round,
+    sorted. Every module has one entry per replica (an encoder replica may have none).
+    """
+
+    parts: dict[str, Parts]
+    language: str = "text"  # the language-model module
+
+    def replicas(self, module: str) -> Parts:
+        """The per-replica ids of ``module``."""
+        try:
+            return self.parts[module]
+        except KeyError:
+            raise KeyError(
+                f"the round has no module {module!r}; known modules: {sorted(self.parts)}"
+            ) from None
+
+    @property
+    def modules(self) -> list[str]:
+        return list(self.parts)
 
     @property
     def sample_ids(self) -> list[int]:
-        return [i for part in self.text for i in part]
+        """All ids of the round, in the language model's replica order."""
+        return [i for part in self.replicas(self.language) for i in part]
 
 
 @dataclass(frozen=True)
@@ -38,69 +70,147 @@ class StepPlan:
     def sample_ids(self) -> list[int]:
         return [i for r in self.rounds for i in r.sample_ids]
 
+    def imbalance(self, costs: Mapping[str, Sequence[float]]) -> dict[str, float]:
+        """Per module of ``costs``: how much longer its busiest replica works than the average one.
 
-def _balanced_split(ids: list[int], lengths: list[int], parts: int, per_part: int | None) -> list[list[int]]:
-    """Longest-first greedy assignment to the least-loaded part (ties: lowest part index).
+        For module ``m`` with replicas ``r`` and rounds ``k``, with
+        ``load[k][r] = sum(costs[m][i] for i in round k's replica r)``::
 
-    With ``per_part`` every part gets exactly that many samples.
+            imbalance[m] = sum_k max_r load[k][r] / sum_k mean_r load[k][r]
+
+        Replicas wait for each other at every round, so the numerator is the module's
+        busy time for the step and the denominator the time with a perfect split:
+        1.0 is perfect, 2.0 means the step takes twice as long as it would balanced.
+        A module with no cost at all in the step (no sample carries it) reads 1.0.
+        """
+        return plan_imbalance(self, costs)
+
+
+def plan_imbalance(plan: StepPlan, costs: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """``plan.imbalance(costs)``: see :meth:`StepPlan.imbalance` for the definition."""
+    out: dict[str, float] = {}
+    for module, cost in costs.items():
+        busiest = ideal = 0.0
+        for rnd in plan.rounds:
+            loads = [sum(float(cost[i]) for i in part) for part in rnd.replicas(module)]
+            if loads:
+                busiest += max(loads)
+                ideal += sum(loads) / len(loads)
+        out[module] = busiest / ideal if ideal > 0 else 1.0
+    return out
+
+
+def _balanced_split(
+    ids: Sequence[int], costs: Sequence[float], parts: int, per_part: int | None
+) -> list[list[int]]:
+    """Longest-first greedy assignment to the least-loaded part, each part's ids sorted.
+
+    Ids are taken by decreasing cost (ties: lower id first) and each goes to the open part
+    with the least load (ties: lowest part index), so the result depends on the inputs alone.
+    With ``per_part`` every part gets exactly that many ids (``len(ids) == parts * per_part``);
+    without, a part may end up empty.
     """
-    order = sorted(ids, key=lambda i: (-lengths[i], i))
+    order = sorted(ids, key=lambda i: (-costs[i], i))
     out: list[list[int]] = [[] for _ in range(parts)]
-    load = [0] * parts
+    load = [0.0] * parts
     for i in order:
         open_parts = [p for p in range(parts) if per_part is None or len(out[p]) < per_part]
         p = min(open_parts, key=lambda q: (load[q], q))
         out[p].append(i)
-        load[p] += lengths[i]
+        load[p] += costs[i]
     return [sorted(part) for part in out]
 
 
 class BatchPlanner:
+    """Plans every step: the global batch, its rounds, and each module's replica split.
+
+    ``costs[module][i]`` is what sample ``i`` costs that module (any unit: only ratios
+    within a module matter). ``costs[language]`` must be positive for every sample; for
+    an encoder, 0 means the sample does not carry that modality. ``dp[module]`` is the
+    number of replicas of each module of ``costs``.
+    """
+
     def __init__(
         self,
-        lengths: list[int],
+        costs: Mapping[str, Sequence[float]],
+        dp: Mapping[str, int],
         global_batch_size: int,
         micro_batch_size: int,
-        text_dp: int = 1,
-        vision_dp: int = 1,
         seed: int = 0,
+        language: str = "text",
     ) -> None:
+        if language not in costs:
+            raise ConfigError(
+                f"the batch planner needs the costs of the language model {language!r}; "
+                f"got costs for {sorted(costs)}"
+            )
+        for module in costs:
+            if module not in dp:
+                raise ConfigError(
+                    f"{module}.parallel.dp is not set: the batch planner needs the replica count of every module"
+                )
+            if int(dp[module]) < 1:
+                raise ConfigError(f"{module}.parallel.dp must be at least 1, got {dp[module]}")
+        n = len(costs[language])
+        for module, cost in costs.items():
+            if len(cost) != n:
+                raise ConfigError(
+                    f"the costs of {module!r} cover {len(cost)} samples but those of {language!r} cover {n}"
+                )
+        bad = [i for i, c in enumerate(costs[language]) if not c > 0]
+        if bad:
+            raise ConfigError(
+                f"every sample must cost the language model {language!r} something; samples {bad[:5]} cost "
+                f"{[costs[language][i] for i in bad[:5]]}"
+            )
+        for module, cost in costs.items():
+            neg = [i for i, c in enumerate(cost) if c < 0]
+            if neg:
+                raise ConfigError(f"the costs of {module!r} must not be negative; samples {neg[:5]} are")
+        text_dp = int(dp[language])
         per_round = micro_batch_size * text_dp
         if global_batch_size % per_round:
             raise ConfigError(
                 f"train.global_batch_size ({global_batch_size}) must be a multiple of train.micro_batch_size "
-                f"x text.parallel.dp ({micro_batch_size} x {text_dp} = {per_round})"
+                f"x {language}.parallel.dp ({micro_batch_size} x {text_dp} = {per_round})"
             )
-        if len(lengths) < global_batch_size:
+        if n < global_batch_size:
             raise ConfigError(
-                f"the dataset has {len(lengths)} usable samples, fewer than train.global_batch_size "
+                f"the dataset has {n} usable samples, fewer than train.global_batch_size "
                 f"({global_batch_size}); lower the batch size or add data"
             )
-        self.lengths = list(lengths)
+        self.language = language
+        self.costs = {m: [float(c) for c in cost] for m, cost in costs.items()}
+        self.dp = {m: int(dp[m]) for m in costs}
+        self.encoders = [m for m in costs if m != language]
+        self.n_samples = n
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
-        self.text_dp = text_dp
-        self.vision_dp = vision_dp
         self.seed = seed
         self.n_micro = global_batch_size // per_round
-        self.steps_per_epoch = len(lengths) // global_batch_size
+        self.steps_per_epoch = n // global_batch_size
 
     def _epoch_order(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.lengths), generator=g).tolist()
+        return torch.randperm(self.n_samples, generator=g).tolist()
 
     def plan(self, step: int) -> StepPlan:
         epoch, j = divmod(step, self.steps_per_epoch)
         order = self._epoch_order(epoch)
         ids = order[j * self.global_batch_size:(j + 1) * self.global_batch_size]
-        per_replica = _balanced_split(ids, self.lengths, self.text_dp, self.global_batch_size // self.text_dp)
+        lm, lm_cost, lm_dp = self.language, self.costs[self.language], self.dp[self.language]
+        per_replica = _balanced_split(ids, lm_cost, lm_dp, self.global_batch_size // lm_dp)
         micro = [
-            _balanced_split(part, self.lengths, self.n_micro, self.micro_batch_size) for part in per_replica
+            _balanced_split(part, lm_cost, self.n_micro, self.micro_batch_size) for part in per_replica
         ]  # [replica][round]
         rounds = []
         for k in range(self.n_micro):
-            text = tuple(tuple(micro[r][k]) for r in range(self.text_dp))
+            text = tuple(tuple(micro[r][k]) for r in range(lm_dp))
+            parts: dict[str, Parts] = {lm: text}
             round_ids = [i for part in text for i in part]
-            vision = tuple(tuple(p) for p in _balanced_split(round_ids, self.lengths, self.vision_dp, None))
-            rounds.append(Round(text=text, vision=vision))
+            for module in self.encoders:
+                cost = self.costs[module]
+                carried = [i for i in round_ids if cost[i] > 0]
+                parts[module] = tuple(tuple(p) for p in _balanced_split(carried, cost, self.dp[module], None))
+            rounds.append(Round(parts=parts, language=lm))
         return StepPlan(step=step, epoch=epoch, rounds=tuple(rounds))

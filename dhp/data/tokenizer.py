@@ -15,7 +15,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-IGNORE_INDEX = -100
+from dhp.data.batch import IGNORE_INDEX
+
 IMAGE_PLACEHOLDER = "<image>"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 ROLES = ("system", "user", "assistant")
@@ -93,6 +94,10 @@ class Tokenizer:
             "vision_start_token_id": self.vision_start_id,
             "vision_end_token_id": self.vision_end_id,
         }
+
+    def special_ids(self) -> list[int]:
+        """Ids of every added special token (placeholders among them), in id order."""
+        return sorted(i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in the text become their single ids."""

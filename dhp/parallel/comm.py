@@ -6,8 +6,17 @@ ops) — goes through the dispatcher, so one ``TorchDispatchMode`` sees them all
 Ulysses' all-to-alls, tensor parallelism's all-reduces and all-gathers, FSDP's
 all-gathers and reduce-scatters, data-parallel gradient all-reduces.
 
-The figure per call is the payload this rank contributes (the input tensor's
-bytes); it is what closed-form estimates of a layout's traffic are written in.
+Two figures per kind:
+
+* ``bytes``: the payload this rank hands to the collective (the input tensor's
+  bytes, whole buffers); it is what closed-form estimates of a layout's traffic
+  are written in.
+* ``sent``: the bytes this rank sends to OTHER ranks, where that is fixed by the
+  call itself rather than by the backend's algorithm: an all-to-all sends its
+  input less the chunk it keeps (its own rank's split, so uneven
+  ``input_split_sizes`` count exactly), a ``send`` its whole payload. All-reduce,
+  all-gather, reduce-scatter and broadcast move what their ring or tree decides,
+  so they are not recorded there.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # op name (without namespace and overload) -> kind
@@ -57,8 +67,42 @@ def _nbytes(x) -> int:
     return 0
 
 
+def _process_group(group) -> dist.ProcessGroup:
+    """A collective's group as the dispatcher hands it: boxed (c10d ops) or by name (functional ops)."""
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(group)
+    if isinstance(group, torch.ScriptObject):
+        return dist.ProcessGroup.unbox(group)
+    return group
+
+
+def _all_to_all_kept(inp: torch.Tensor, split_sizes, group) -> int:
+    """Bytes of ``inp`` (split along dim 0, in equal chunks when ``split_sizes`` is empty) this rank keeps."""
+    pg = _process_group(group)
+    rows = int(split_sizes[pg.rank()]) if len(split_sizes) else inp.shape[0] // pg.size()
+    return rows * (inp.numel() // inp.shape[0] if inp.shape[0] else 0) * inp.element_size()
+
+
+def _sent_to_others(name: str, func, args: tuple, kwargs: dict) -> int | None:
+    """Bytes this rank sends to other ranks, or None where the backend's algorithm decides that."""
+    a = dict(zip((x.name for x in func._schema.arguments), args, strict=False)) | kwargs
+    if name == "alltoall_base_":
+        return _nbytes(a["input"]) - _all_to_all_kept(a["input"], a["input_split_sizes"], a["process_group"])
+    if name == "all_to_all_single":
+        return _nbytes(a["input"]) - _all_to_all_kept(a["input"], a["input_split_sizes"], a["group_name"])
+    if name == "alltoall_":
+        inputs = a["input_tensors"]
+        return _nbytes(inputs) - _nbytes(inputs[_process_group(a["process_group"]).rank()])
+    if name == "send":
+        return _nbytes(a["tensors"])
+    return None
+
+
 class CommCounter(TorchDispatchMode):
-    """``with CommCounter() as c: ...`` then ``c.bytes`` ({kind: bytes}) and ``c.calls`` ({kind: count}).
+    """``with CommCounter() as c: ...`` then ``c.bytes`` ({kind: payload bytes}), ``c.sent`` ({kind: bytes sent
+    to other ranks}, all-to-all and send only) and ``c.calls`` ({kind: count}).
 
     Collectives run in backward are counted too when backward runs inside the block.
     """
@@ -66,6 +110,7 @@ class CommCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.bytes: Counter[str] = Counter()
+        self.sent: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -77,6 +122,9 @@ class CommCounter(TorchDispatchMode):
                 arg = args[_PAYLOAD_ARG.get(name, 0)] if args else None
                 self.bytes[kind] += _nbytes(arg)
                 self.calls[kind] += 1
+                sent = _sent_to_others(name, func, args, kwargs)
+                if sent is not None:
+                    self.sent[kind] += sent
         return func(*args, **kwargs)
 
     def snapshot(self) -> dict[str, int]:
@@ -84,4 +132,5 @@ class CommCounter(TorchDispatchMode):
 
     def reset(self) -> None:
         self.bytes.clear()
+        self.sent.clear()
         self.calls.clear()

@@ -2,32 +2,38 @@
 
 Model-agnostic: a model family plugs in worker classes (subclasses of
 ``WorkerBase``); nothing here knows what a vision encoder is.
+
+Files, one concern each: ``cluster`` (start/join Ray, loopback binding, backend
+and transport choice), ``errors`` (``WorkerError``), ``dispatch`` (how calls
+split over ranks and how results are collected), ``placement`` and ``mesh``
+(where workers run, how a group's ranks form replicas), ``worker_base`` (the
+worker side), ``worker_group`` and ``binding`` (the driver side of one module),
+``process_groups`` (torch groups across modules), ``runtime`` (the lifecycle).
 """
 
-from dhp.runtime.dispatch import Broadcast, DispatchError, Mode, dispatch, produces_tensors
-from dhp.runtime.group import (
-    DistributedSetup,
-    ModuleSpec,
-    Runtime,
-    WorkerBase,
-    WorkerError,
-    WorkerGroup,
-    choose_backend,
-    init_process_groups,
-    resolve_transport,
-    start_ray,
-)
+from dhp.runtime.binding import BoundMethod, Pending
+from dhp.runtime.cluster import choose_backend, resolve_transport, start_ray
+from dhp.runtime.dispatch import Broadcast, Collect, DispatchError, Mode, Split, dispatch, produces_tensors
+from dhp.runtime.errors import WorkerError
 from dhp.runtime.placement import LayoutError, PlacementPlan, create_placement_group, plan_placement
+from dhp.runtime.process_groups import DistributedSetup, init_process_groups
+from dhp.runtime.runtime import ModuleSpec, Runtime
+from dhp.runtime.worker_base import WorkerBase
+from dhp.runtime.worker_group import WorkerGroup
 
 __all__ = [
+    "BoundMethod",
     "Broadcast",
+    "Collect",
     "DispatchError",
     "DistributedSetup",
     "LayoutError",
     "Mode",
     "ModuleSpec",
+    "Pending",
     "PlacementPlan",
     "Runtime",
+    "Split",
     "WorkerBase",
     "WorkerError",
     "WorkerGroup",

@@ -1,8 +1,9 @@
-"""The Ray mechanics with real actors on CPU/gloo: groups, process groups, dispatch, transfer, failures.
+"""The Ray mechanics with real actors on CPU/gloo: groups, process groups, dispatch, binding, transfer, failures.
 
 One Ray instance (4 CPUs) for the file (conftest); the disaggregated 2+1 runtime
 is shared by the tests that only read it; workers ask for half a CPU so that it
-and the collocated 2+2 runtime fit side by side.
+and the collocated 2+2 runtime fit side by side (the three-group runtime asks
+for a quarter CPU per worker, for the same reason).
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ from ray.exceptions import RayActorError
 from torch import nn
 
 from dhp.runtime import (
+    BoundMethod,
     Broadcast,
+    Collect,
     DispatchError,
     LayoutError,
     Mode,
     ModuleSpec,
+    Pending,
     Runtime,
+    Split,
     WorkerBase,
     WorkerError,
     dispatch,
@@ -85,9 +90,33 @@ class ToyWorker(WorkerBase):
             raise ValueError("toy failure inside a collective step")
         dist.all_reduce(torch.ones(1), group=self.pg)
 
+    @dispatch(split=Split.REPLICA)
+    def take(self, item: object) -> tuple[int, object]:
+        return self.rank, item
 
-def _spec(n: int) -> ModuleSpec:
-    return ModuleSpec(ToyWorker, n, {"seed": 0})
+    @dispatch(split=Split.REPLICA, collect=Collect.REPLICA_HEADS)
+    def take_heads(self, item: object) -> tuple[int, object]:
+        return self.rank, item
+
+    @dispatch(split=Split.RANK, collect=Collect.RANK_ZERO)
+    def first(self, item: object) -> tuple[int, object]:
+        return self.rank, item
+
+    @produces_tensors
+    @dispatch(split=Split.REPLICA, collect=Collect.REPLICA_HEADS)
+    def produce_replica(self, seed: int, numel: int) -> torch.Tensor:
+        """Every rank of a replica makes the same tensor (same seed): the replica's head speaks for it."""
+        return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+    def group_sum(self) -> float:
+        """The sum of (rank + 1) over the module group: the module's own process group, not the world."""
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t, group=self.pg)
+        return t.item()
+
+
+def _spec(n: int, replica_size: int = 1) -> ModuleSpec:
+    return ModuleSpec(ToyWorker, n, {"seed": 0}, replica_size=replica_size)
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +247,83 @@ def test_plans_and_fit_checks_without_actors(ray_cluster: dict) -> None:
     assert resolve_transport("auto", "nccl", 1.0) == "NCCL"
     assert resolve_transport("auto", "nccl", 0.5) is None  # shared GPU: object store
     assert resolve_transport("object_store", "nccl", 1.0) is None
+
+
+def test_bound_methods_match_call_and_submit(disagg: Runtime) -> None:
+    vision, text = disagg["vision"], disagg["text"]
+    bound = vision.all_coordinates
+    assert isinstance(bound, BoundMethod) and bound.__doc__ is None and "split ALL" in repr(bound)
+    assert bound() == bound.submit().get() == vision.call("all_coordinates")
+    assert [c["rank"] for c in bound()] == [0, 1]
+    pending = text.coordinates.submit()  # RANK_ZERO: one dict, whether bound or called by name
+    assert isinstance(pending, Pending) and pending.ranks == [0] and len(pending.refs) == 1
+    assert isinstance(pending.refs[0], ray.ObjectRef)
+    assert pending.get() == text.coordinates() == text.call("coordinates")
+    assert text.coordinates()["module"] == "text"
+    assert vision.first(["a", "b"]) == (0, "a")  # split RANK, collect RANK_ZERO
+    # a bound call runs the declared split: rank r gets item r, like call("dp_grads", ...)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, DIM, generator=g), torch.randn(6, generator=g)
+    ref = _reference_grads(x, y)
+    for grads in vision.dp_grads([x[:3], x[3:]], [y[:3], y[3:]]):
+        torch.testing.assert_close(grads["weight"], ref["weight"])
+
+
+def test_bound_method_errors(disagg: Runtime) -> None:
+    vision = disagg["vision"]
+    with pytest.raises(AttributeError, match="ToyWorker has no method 'dp_gards'"):
+        vision.dp_gards  # noqa: B018 - the attribute access is what is tested
+    with pytest.raises(AttributeError):
+        vision._init_subgroups  # noqa: B018 - private worker methods are not bound
+    assert not isinstance(vision.submit, BoundMethod) and not isinstance(vision.n_ranks, BoundMethod)
+    with pytest.raises(DispatchError, match=r"dp_grads \(split RANK\): argument 0 has 3 items but the group has 2"):
+        vision.dp_grads([1, 2, 3], Broadcast(0))
+    with pytest.raises(DispatchError, match=r"dp_grads .*argument 'y' has 1 items"):
+        vision.dp_grads.submit([1, 2], y=[0])
+    with pytest.raises(WorkerError, match="vision rank 1 failed in fail_on") as e:
+        vision.fail_on.submit(1).get()
+    assert "toy failure on purpose, rank 1" in str(e.value)
+    with pytest.raises(WorkerError, match="vision rank 0 failed in produce_or_fail"):
+        vision.produce_or_fail.submit(0).get()  # a producer's failure too, though its get() pulls no tensors
+
+
+def test_three_groups_replicas_split_and_collect(ray_cluster: dict) -> None:
+    modules = {"vision": _spec(4, replica_size=2), "audio": _spec(1), "text": _spec(2)}
+    with Runtime(modules, placement="collocated", cpus_per_worker=0.25) as rt:
+        vision, audio, text = rt["vision"], rt["audio"], rt["text"]
+        assert [g.n_ranks for g in (vision, audio, text)] == [4, 1, 2]
+        assert (vision.replica_size, vision.n_replicas, vision.replica_heads()) == (2, 2, [0, 2])
+        assert vision.ranks_of_replica(1) == [2, 3] and text.replica_heads() == [0, 1]
+        # every group has its own process group inside one world of 7, groups laid end to end
+        coords = {m: rt[m].all_coordinates() for m in modules}
+        assert [c["global_rank"] for m in modules for c in coords[m]] == list(range(7))
+        assert {c["global_world_size"] for m in modules for c in coords[m]} == {7}
+        assert vision.group_sum() == [10.0] * 4 and audio.group_sum() == [1.0] and text.group_sum() == [3.0] * 2
+        # REPLICA split: both ranks of replica r get item r; Collect.ALL keeps every rank
+        assert vision.take(["a", "b"]) == [(0, "a"), (1, "a"), (2, "b"), (3, "b")]
+        assert vision.take(Broadcast("z")) == [(r, "z") for r in range(4)]
+        # REPLICA_HEADS: one result per replica, from ranks 0 and 2
+        assert vision.take_heads(["a", "b"]) == [(0, "a"), (2, "b")]
+        assert vision.take_heads.submit(["a", "b"]).get() == vision.call("take_heads", ["a", "b"])
+        with pytest.raises(DispatchError, match=r"take \(split REPLICA\): argument 0 has 4 items but the group "
+                                                r"has 2 replicas \(4 ranks, replica_size 2\)"):
+            vision.take(["a", "b", "c", "d"])
+        with pytest.raises(DispatchError, match="take_heads.*must be a list with one item per replica"):
+            vision.take_heads("ab")
+        # a producer's Pending gives the heads' refs, not tensors; another group consumes them
+        pending = vision.produce_replica.submit([11, 12], Broadcast(50))
+        assert len(pending.refs) == 4
+        refs = pending.get()
+        assert len(refs) == 2 and all(isinstance(r, ray.ObjectRef) for r in refs)
+        assert refs == [pending.refs[0], pending.refs[2]]
+        got = text.consume(refs)
+        for seed, t in zip((11, 12), got, strict=True):
+            assert torch.equal(t, torch.randn(50, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_replica_size_must_divide_the_ranks() -> None:
+    with pytest.raises(ValueError, match="n_ranks 3 is not a multiple of replica_size 2"):
+        ModuleSpec(ToyWorker, 3, replica_size=2)
+    with pytest.raises(ValueError, match="replica_size must be an int >= 1"):
+        ModuleSpec(ToyWorker, 2, replica_size=0)
+    assert ModuleSpec(ToyWorker, 2, None).kwargs == {}

@@ -10,8 +10,8 @@ import ray
 from dhp.cli import main
 from dhp.config import load_config
 from dhp.data.sampler import BatchPlanner
-from dhp.runtime.group import WorkerError
-from dhp.train import dataset_spec, open_dataset, resolve_inputs
+from dhp.inputs import dataset_spec, module_costs, open_dataset, resolve_inputs
+from dhp.runtime import WorkerError
 
 
 def _alive_dhp_actors() -> list[str]:
@@ -30,18 +30,20 @@ def test_dhp_train_on_ray_disaggregated(ray_cluster, demo_overrides, tmp_path):
         assert row["router_bytes"] > 0  # embeddings out and gradients back, worker to worker
         assert row["time_vision_forward_s"] > 0 and row["time_text_forward_backward_s"] > 0
         assert row["time_vision_backward_s"] > 0 and "time_text_idle_s" in row
+        assert row["imbalance_vision"] >= 1.0 and row["imbalance_text"] == 1.0  # one text replica: balanced
     assert _alive_dhp_actors() == []
 
 
 def test_worker_failure_names_module_and_rank_and_cleans_up(ray_cluster, demo_overrides):
-    from dhp.runtime.backend import RayBackend
+    from dhp.backends.ray_backend import RayBackend
 
     cfg = load_config(None, demo_overrides + ["runtime.backend=ray", "runtime.cpus_per_worker=0.5",
                                               "vision.parallel.dp=2", "runtime.placement=disaggregated"])
     inputs = resolve_inputs(cfg)
     spec = dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path)
     ds = open_dataset(spec)
-    plan = BatchPlanner(ds.lengths(), 8, 4, vision_dp=2).plan(0)
+    costs = module_costs(inputs.family, inputs.model_cfg, ds)
+    plan = BatchPlanner(costs, {"vision": 2, "text": 1}, 8, 4).plan(0)
     backend = RayBackend(inputs, spec)
     victim = next(i for i in plan.sample_ids if ds.get(i, pixels=False).num_patches)
     image = ds._records[ds.source_index(victim)].images[0]

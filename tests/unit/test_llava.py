@@ -200,7 +200,7 @@ def test_validation_handed_over_gives_the_same_data_set_without_reading_images(d
     def no_image_reads(*args, **kwargs):
         raise AssertionError("a worker read an image header again")
 
-    monkeypatch.setattr(llava.SFTDataset, "_image_tokens", no_image_reads)
+    monkeypatch.setattr(llava.SFTDataset, "_image_grid", no_image_reads)
     worker = llava.SFTDataset(cfg, tok, validated=driver.validation)
     assert len(worker) == len(driver) == 5 and worker.num_skipped == driver.num_skipped == 1
     assert worker.lengths() == driver.lengths()

@@ -1,4 +1,5 @@
-"""The multi-process harness the collective tests stand on: results by rank, and failures that say where."""
+"""The multi-process harness the collective tests stand on (``tests/spawn.py``): results by rank, and failures
+that say where."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
+from tests.spawn import run_distributed
 
 
 def _sum_ranks(rank: int, world: int) -> torch.Tensor:

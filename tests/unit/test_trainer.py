@@ -7,10 +7,12 @@ import math
 import pytest
 import torch
 
+from dhp.backends.base import clip_coefficient
+from dhp.backends.local import LocalBackend
 from dhp.config import load_config
 from dhp.data.batch import shifted_targets
 from dhp.engine import lr_lambda
-from dhp.train import LocalBackend, clip_coefficient, dataset_spec, open_dataset, resolve_inputs
+from dhp.inputs import dataset_spec, module_costs, open_dataset, resolve_inputs
 
 
 def make(overrides):
@@ -25,7 +27,8 @@ def run_steps(overrides, steps=2):
 
     cfg, inputs, ds = make(overrides)
     backend = LocalBackend(inputs, ds)
-    planner = BatchPlanner(ds.lengths(), cfg.train.global_batch_size, cfg.train.micro_batch_size, seed=0)
+    costs = module_costs(inputs.family, inputs.model_cfg, ds)
+    planner = BatchPlanner(costs, {m: 1 for m in costs}, cfg.train.global_batch_size, cfg.train.micro_batch_size)
     losses = [backend.run_step(planner.plan(s)).loss for s in range(steps)]
     return losses, backend.state_dict(), planner, ds, inputs
 
@@ -44,11 +47,11 @@ def test_accumulation_gives_the_same_update(demo_overrides, micro):
 
 def test_loss_is_the_global_token_mean(demo_overrides):
     """Step 1's loss equals the token mean over the 8 samples computed by hand with the same weights."""
-    from dhp.engine import build_text, build_vision
+    from dhp.engine import build_module
 
     losses, _, planner, ds, inputs = run_steps(demo_overrides + ["train.micro_batch_size=2"], steps=1)
-    vision = build_vision(inputs.model_cfg, 0, "cpu", None)
-    text = build_text(inputs.model_cfg, 0, "cpu", None)
+    vision = build_module(inputs.family.module("vision"), inputs.model_cfg, 0, "cpu", None)
+    text = build_module(inputs.family.language, inputs.model_cfg, 0, "cpu", None)
     total, n = 0.0, 0
     with torch.no_grad():
         for i in planner.plan(0).sample_ids:

@@ -13,16 +13,10 @@ import pytest
 import torch
 
 from dhp.models.qwen2_5_vl.config import VisionConfig, tiny
+from dhp.models.qwen2_5_vl.sequence_parallel import parallelize_vision_sp, shard_vision, sp_forward, to_image_order
 from dhp.models.qwen2_5_vl.vision import VisionTransformer, vision_layout
-from dhp.parallel.ulysses import (
-    COMM,
-    check_sp,
-    expected_alltoall_bytes,
-    parallelize_vision_sp,
-    shard_vision,
-    sp_forward,
-    to_image_order,
-)
+from dhp.parallel.comm import CommCounter
+from dhp.parallel.ulysses import UlyssesAttention, check_sp, expected_alltoall_bytes
 from tests.dist_utils import run_distributed
 
 MIXED = torch.tensor([[1, 20, 28], [2, 8, 8], [1, 4, 6], [1, 12, 16]])  # 560 + 128 + 24 + 192 = 904 patches
@@ -56,12 +50,15 @@ def _sp_worker(rank: int, world_size: int, p: dict) -> dict:
     model.load_state_dict(p["state"])
     parallelize_vision_sp(model, None)
     shard = shard_vision(vision_layout(p["grid_thw"], p["cfg"]), world_size)[rank]
-    COMM.reset()
-    out = sp_forward(model, p["pixel_values"], shard, None)  # [S_local/4, D] window order
-    fwd = COMM.snapshot()
-    (out * p["weight"][shard.merged_index]).sum().backward()
+    comm = CommCounter()
+    with comm:
+        out = sp_forward(model, p["pixel_values"], shard, None)  # [S_local/4, D] window order
+    fwd = (dict(comm.sent), dict(comm.bytes), dict(comm.calls))
+    with comm:
+        (out * p["weight"][shard.merged_index]).sum().backward()
     grads = {n: torch.zeros_like(q) if q.grad is None else q.grad for n, q in model.named_parameters()}
-    return {"out": out.detach(), "grads": grads, "fwd": fwd, "all": COMM.snapshot(), "shard": shard}
+    return {"out": out.detach(), "grads": grads, "shard": shard,
+            "fwd": fwd, "all": (dict(comm.sent), dict(comm.bytes), dict(comm.calls))}
 
 
 def _run(p: dict, sp: int) -> list[dict]:
@@ -109,16 +106,27 @@ def test_lone_tiny_image_leaves_ranks_empty_and_matches():
 
 
 def test_comm_counter_equals_closed_form(mixed_run):
+    """``CommCounter.sent`` (bytes to OTHER ranks, the all-to-all's own chunk left out) is the closed form; the
+    payload ``bytes`` also counts the chunks a rank keeps: its own head chunk of q, k, v (3 S_r rows) and its own
+    tokens of the output (S_r rows), per full-attention block and pass."""
     p, results = mixed_run
     cfg = p["cfg"]
     n_full = len(cfg.fullatt_block_indexes)
     for rank, r in enumerate(results):
         sizes = r["shard"].split_sizes
+        sp, s_r = len(sizes), sizes[rank]
         fwd = expected_alltoall_bytes(sizes, rank, cfg.num_heads, cfg.head_dim, 4, n_full, backward=False)
         both = expected_alltoall_bytes(sizes, rank, cfg.num_heads, cfg.head_dim, 4, n_full, backward=True)
-        assert fwd > 0
-        assert r["fwd"] == {"alltoall.fwd": fwd}
-        assert r["all"] == {"alltoall.fwd": fwd, "alltoall.bwd": both - fwd}
+        assert 0 < fwd < both
+        kept = n_full * (3 * s_r + s_r) * cfg.num_heads // sp * cfg.head_dim * 4  # own head chunk, own tokens
+        sent, payload, calls = r["fwd"]
+        assert sent == {"all_to_all": fwd}
+        assert payload == {"all_to_all": fwd + kept}
+        assert calls == {"all_to_all": 2 * n_full}  # q, k, v stacked in one, the output in another
+        sent, payload, calls = r["all"]
+        assert sent == {"all_to_all": both}
+        assert payload == {"all_to_all": both + 2 * kept}
+        assert calls == {"all_to_all": 4 * n_full}
 
 
 def test_closed_form_by_hand():
@@ -132,7 +140,7 @@ def test_window_blocks_communicate_nothing():
     p = _problem(replace(tiny().vision, fullatt_block_indexes=()), MIXED, seed=2)
     results = _run(p, 2)
     for r in results:
-        assert r["all"] == {}
+        assert r["all"] == ({}, {}, {})
     _assert_matches(p, results)
 
 
@@ -169,6 +177,11 @@ def test_equal_windows_balance_exactly():
     layout = vision_layout(torch.tensor([[1, 16, 16], [1, 16, 16]]), tiny().vision)  # 8 windows of 64 patches
     assert shard_vision(layout, 4)[0].split_sizes == [128, 128, 128, 128]
     assert shard_vision(layout, 3)[0].split_sizes == [192, 128, 192]  # cuts nearest 170.7 and 341.3
+
+
+def test_ulysses_attention_needs_the_batch_split():
+    with pytest.raises(RuntimeError, match="without UlyssesSegments"):
+        UlyssesAttention(None)(*torch.zeros(3, 4, 2, 8), None)
 
 
 def test_sp_must_divide_heads():

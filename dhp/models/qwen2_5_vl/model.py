@@ -56,6 +56,17 @@ class Qwen2_5_VL(nn.Module):
         return self.language(input_ids, position_ids, image_embeds, cu_seqlens)
 
 
+    # ---- what evaluation uses (dhp.evaluate.EvalModel) ----------------------------------------
+    def encode_media(self, sample) -> torch.Tensor | None:
+        """The sample's image embeddings [N/4, D], or None for a text-only sample."""
+        return self.visual(sample.pixel_values, sample.image_grid_thw) if sample.num_patches else None
+
+    def sample_logits(self, input_ids: torch.Tensor, sample, media: torch.Tensor | None) -> torch.Tensor:
+        """Logits [1, L, V] of ``input_ids`` [1, L] (a prefix of ``sample``'s ids, or its continuation)."""
+        grid = sample.image_grid_thw if sample.num_patches else None
+        return self.language(input_ids, self.position_ids(input_ids, grid), media)
+
+
 def build_model(cfg: Qwen2_5_VLConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Qwen2_5_VL:
     """A randomly initialised model; on ``device="meta"`` nothing is allocated."""
     with torch.device(device):

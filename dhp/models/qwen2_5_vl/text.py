@@ -25,6 +25,8 @@ from dhp.models.layers import RMSNorm, SwiGLU, apply_rotary, packed_attention
 from dhp.models.qwen2_5_vl.config import TextConfig
 from dhp.parallel.tensor import vocab_parallel_cross_entropy_sum
 
+Media = torch.Tensor | dict[int, torch.Tensor | None] | None  # image embeddings, or {placeholder id: embeddings}
+
 
 class MRotary(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
@@ -95,39 +97,48 @@ class TextModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings [B, L, D] with ``image_embeds [N_img, D]`` at the image-pad positions, in order."""
+    def embed(self, input_ids: torch.Tensor, media: Media = None) -> torch.Tensor:
+        """Token embeddings [B, L, D] with each encoder's embeddings placed at its placeholder tokens, in order.
+
+        ``media``: ``{placeholder token id: embeddings [n, D]}`` (one entry per encoder), or a plain tensor of
+        image embeddings (placed at ``image_token_id``). Every placeholder must get exactly one embedding."""
         x = self.embed_tokens(input_ids)
-        mask = input_ids == self.image_token_id
-        n_slots = int(mask.sum())
-        n_embeds = 0 if image_embeds is None else image_embeds.shape[0]
-        if n_slots != n_embeds:
-            raise ValueError(f"{n_slots} <|image_pad|> tokens in the input but {n_embeds} image embeddings")
-        if n_embeds:
-            x = x.masked_scatter(mask.unsqueeze(-1), image_embeds.to(x.dtype))
+        if media is None or isinstance(media, torch.Tensor):
+            media = {self.image_token_id: media}
+        if self.image_token_id not in media:
+            media = {self.image_token_id: None, **media}
+        for token_id, embeds in media.items():
+            mask = input_ids == token_id
+            n_slots = int(mask.sum())
+            n_embeds = 0 if embeds is None else embeds.shape[0]
+            if n_slots != n_embeds:
+                raise ValueError(f"{n_slots} placeholder tokens (id {token_id}) in the input but {n_embeds} "
+                                 "embeddings for them")
+            if n_embeds:
+                x = x.masked_scatter(mask.unsqueeze(-1), embeds.to(x.dtype))
         return x
 
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        image_embeds: torch.Tensor | None = None,
+        media: Media = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids [B, L], position_ids [3, B, L], image_embeds [N_img, D] -> logits [B, L, V]."""
-        return self.lm_head(self.hidden_states(input_ids, position_ids, image_embeds, cu_seqlens))
+        """input_ids [B, L], position_ids [3, B, L], media (see ``embed``) -> logits [B, L, V]."""
+        return self.lm_head(self.hidden_states(input_ids, position_ids, media, cu_seqlens))
 
     def hidden_states(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        image_embeds: torch.Tensor | None = None,
+        media: Media = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, seq = input_ids.shape
         if cu_seqlens is None:  # each row its own sequence
             cu_seqlens = torch.arange(0, (b + 1) * seq, seq)
-        x = self.embed(input_ids, image_embeds)
+        x = self.embed(input_ids, media)
         rope = self.rotary(position_ids)
         for layer in self.layers:
             x = layer(x, rope, cu_seqlens)
@@ -138,14 +149,14 @@ class TextModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         targets: torch.Tensor,
-        image_embeds: torch.Tensor | None = None,
+        media: Media = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Summed next-token cross entropy; ``targets [B, L]`` are already shifted (-100: not supervised).
 
         Under tensor parallelism (``parallelize_text``) the logits are a DTensor sharded on the vocabulary and
         the loss is the vocab-parallel cross entropy: the same float32 sum, a plain scalar on every rank."""
-        logits = self.forward(input_ids, position_ids, image_embeds, cu_seqlens)
+        logits = self.forward(input_ids, position_ids, media, cu_seqlens)
         if isinstance(logits, DTensor):  # tensor parallel: logits sharded on the vocabulary, never gathered
             return vocab_parallel_cross_entropy_sum(logits, targets)
         return F.cross_entropy(

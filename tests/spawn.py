@@ -1,5 +1,9 @@
 """Run a function on N local gloo processes and collect what each rank returns (tests, benchmarks).
 
+A test harness, not part of the ``dhp`` package (the runtime starts its own
+ranks: ``dhp/runtime``, ``dhp/backends``). Benchmarks import it with the
+repository root on ``sys.path`` (``from tests.spawn import run_distributed``).
+
 Why: collective code (all-to-all attention, TP layers, ZeRO) is only proven by
 running it on several ranks. ``run_distributed`` spawns fresh processes (no Ray,
 no shared state with the test process), gives them a default gloo process group

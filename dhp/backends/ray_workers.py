@@ -1,16 +1,20 @@
-"""The Ray workers of a VLM: a vision worker and a text worker, each one rank of its module group.
+"""Worker side of the Ray backend: one rank of one module group (any encoder, or the language model).
 
 A worker is a thin shell around a module engine (``dhp.engine``), the same class
 the single-process reference trainer runs; the worker adds the process groups
-of its layout, loads its own samples by id (pixels never pass through the
-driver), and hands tensors to the other group through methods marked
-``@produces_tensors`` (Ray Direct Transport, or the object store).
+of its layout, loads its own samples by id (media never pass through the
+driver), and hands tensors to the other groups through methods marked
+``@produces_tensors`` (Ray Direct Transport, or the object store). Which module
+a worker runs is data (its group's name and the family's ``ModuleSpec``): an
+encoder group of a new family needs no new worker class.
 
 Per micro-batch round ``key``:
-  vision rank:     ``forward(key, ids)`` then ``emit(key, ids_for_text_replica_r)``: its pieces of those samples
-  text rank:       ``forward_backward(key, ids, *pieces_from_vision_ranks)``;
-  text replica head (inner rank 0): ``emit_grads(key, ids_of_vision_replica_q)``
-  vision rank:     ``backward(key, *grads_from_text_replicas)``
+  encoder rank:   ``forward(key, ids)`` then ``emit(key, ids_for_text_replica_r, last)``: its pieces of those samples
+  text rank:      ``forward_backward(key, ids, sources, *pieces)``: ``sources[i]`` names the encoder of ``pieces[i]``
+  text replica head (inner rank 0): ``emit_grads(key, encoder, ids_of_encoder_replica_q, last)``
+  encoder rank:   ``backward(key, *grads_from_text_replicas)``
+
+The driver side is ``dhp.backends.ray_backend``.
 """
 
 from __future__ import annotations
@@ -22,10 +26,9 @@ from typing import Any
 
 import torch
 
-from dhp.engine import ModuleEngine, Parallel, Piece, TextEngine, VisionEngine
+from dhp.engine import EncoderEngine, LanguageEngine, ModuleEngine, Parallel, Piece
 from dhp.parallel.comm import CommCounter
-from dhp.runtime.dispatch import Mode, dispatch, produces_tensors
-from dhp.runtime.group import WorkerBase
+from dhp.runtime import Collect, Split, WorkerBase, dispatch, produces_tensors
 from dhp.runtime.mesh import ModuleLayout, create_mesh_groups, device_mesh
 
 
@@ -40,7 +43,7 @@ def _nbytes(obj: Any) -> int:
 
 
 class EngineWorker(WorkerBase):
-    """What both workers share: the layout's process groups, timing, the end of a step."""
+    """What every module worker shares: the layout's process groups, timing, the end of a step."""
 
     engine: ModuleEngine
 
@@ -51,6 +54,7 @@ class EngineWorker(WorkerBase):
         self.par: Parallel | None = None
         self.comm = CommCounter()  # bytes this rank hands to collectives, per kind, in the current step
 
+    @dispatch(split=Split.ALL, collect=Collect.ALL)
     def setup_parallel(self, layouts: list[ModuleLayout], backend: str, spec: Any) -> dict[str, int]:
         """Create the mesh groups and keep this rank's ``Parallel``.
 
@@ -77,18 +81,18 @@ class EngineWorker(WorkerBase):
         return {"rank": self.rank, "replica": self.par.dp_rank, "inner_rank": self.par.inner_rank}
 
     def _dataset(self, spec: dict[str, Any]):
-        from dhp.train import open_dataset
+        from dhp.inputs import open_dataset
 
         return open_dataset(spec)
 
     def _timed(self, phase: str, t0: float) -> None:
         self.busy[phase] += time.perf_counter() - t0
 
-    @dispatch(Mode.ONE_TO_ALL)
+    @dispatch(split=Split.ALL, collect=Collect.RANK_ZERO)
     def finish_gradients(self, scale: float) -> float:
         """Scale to the global token mean, reduce over the ranks with partial sums; the replica's squared norm.
 
-        Every rank takes part (the norm is collective under TP and FSDP); the driver reads rank 0's."""
+        Every rank takes part (the norm is collective under TP and FSDP); rank 0 speaks for the module."""
         t0 = time.perf_counter()
         with self.comm:
             self.engine.finish_gradients(scale)
@@ -96,7 +100,7 @@ class EngineWorker(WorkerBase):
         self._timed("reduce", t0)
         return norm_sq
 
-    @dispatch(Mode.ONE_TO_ALL)
+    @dispatch(split=Split.ALL, collect=Collect.ALL)
     def step(self, clip_coef: float) -> dict[str, Any]:
         """Optimizer step; returns this rank's timings, transfer bytes and peak memory, then resets them."""
         t0 = time.perf_counter()
@@ -111,39 +115,45 @@ class EngineWorker(WorkerBase):
         self.comm.reset()
         return out
 
-    def comm_bytes(self) -> dict[str, int]:
-        return self.comm.snapshot()
-
-    @dispatch(Mode.RANK_ZERO)
+    @dispatch(split=Split.ALL, collect=Collect.RANK_ZERO)
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights (collective when sharded: every rank must take part); the driver keeps rank 0's."""
         return self.engine.state_dict()
 
+    @dispatch(split=Split.ALL, collect=Collect.ALL)
+    def rank_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every rank's full weights (for checks that all replicas agree)."""
+        return self.engine.state_dict()
 
-class VisionWorker(EngineWorker):
-    module = "vision"
 
+class EncoderWorker(EngineWorker):
+    """One rank of an encoder group (vision, audio, ...): which encoder is its group's module name."""
+
+    @dispatch(split=Split.ALL, collect=Collect.ALL)
     def init_engine(self, spec: dict[str, Any]) -> None:
-        self.engine = VisionEngine(spec["model_cfg"], spec["cfg"], self._dataset(spec).get, par=self.par,
-                                   device=spec["device"], state=spec["state"])
+        encoder = spec["family"].module(self.module)
+        self.engine = EncoderEngine(encoder, spec["model_cfg"], spec["cfg"], self._dataset(spec).get, par=self.par,
+                                    device=spec["device"], state=spec["states"].get(self.module))
         self.outputs: dict[Any, dict[int, Piece]] = {}
 
+    @dispatch(split=Split.REPLICA, collect=Collect.ALL)
     def forward(self, key: Any, sample_ids: list[int]) -> int:
         """Encode this rank's part of its replica's samples of round ``key``; kept until ``emit`` hands it out."""
         t0 = time.perf_counter()
         with self.comm:
-            self.outputs[key] = self.engine.forward(key, sample_ids)
+            out = self.engine.forward(key, list(sample_ids))
+        if out:  # kept until the last text replica's emit; a rank with nothing to hand out keeps nothing
+            self.outputs[key] = out
         self._timed("forward", t0)
-        return len(self.outputs[key])
+        return len(out)
 
     @produces_tensors
     def emit(self, key: Any, sample_ids: list[int], last: bool) -> dict[int, Piece]:
         """This rank's pieces of ``sample_ids`` (a subset of round ``key``), for one text replica."""
-        if key not in self.outputs:
-            raise RuntimeError(f"vision rank {self.rank}: no output for micro-batch {key}: its forward failed")
-        out = {i: self.outputs[key][i] for i in sample_ids if i in self.outputs[key]}
+        held = self.outputs.get(key, {})  # empty: this rank's slice holds none of these samples' tokens
+        out = {i: held[i] for i in sample_ids if i in held}
         if last:
-            del self.outputs[key]
+            self.outputs.pop(key, None)
         self.bytes_out += _nbytes(out)
         return out
 
@@ -158,37 +168,47 @@ class VisionWorker(EngineWorker):
         self._timed("backward", t0)
 
 
-class TextWorker(EngineWorker):
-    module = "text"
+class LanguageWorker(EngineWorker):
+    """One rank of the language-model group."""
 
+    @dispatch(split=Split.ALL, collect=Collect.ALL)
     def init_engine(self, spec: dict[str, Any]) -> None:
-        self.engine = TextEngine(spec["model_cfg"], spec["cfg"], self._dataset(spec).get, par=self.par,
-                                 device=spec["device"], state=spec["state"])
-        self.grads: dict[Any, dict[int, torch.Tensor]] = {}
+        family = spec["family"]
+        self.engine = LanguageEngine(family.language, family.encoders, spec["model_cfg"], spec["cfg"],
+                                     self._dataset(spec).get, par=self.par, device=spec["device"],
+                                     state=spec["states"].get(self.module))
+        self.grads: dict[tuple[Any, str], dict[int, torch.Tensor]] = {}
 
-    def forward_backward(self, key: Any, sample_ids: list[int], *pieces: dict[int, Piece]) -> tuple[float, int]:
-        """Loss of this replica's micro-batch (summed) and its supervised-token count."""
+    @dispatch(split=Split.RANK, collect=Collect.REPLICA_HEADS)  # one loss per replica: its head's
+    def forward_backward(self, key: Any, sample_ids: list[int], sources: list[str],
+                         *pieces: dict[int, Piece]) -> tuple[float, int]:
+        """Loss of this replica's micro-batch (summed) and its supervised-token count.
+
+        ``pieces[i]`` came from a rank of encoder ``sources[i]``."""
         t0 = time.perf_counter()
-        received: dict[int, list[Piece]] = defaultdict(list)
-        for part in pieces:
+        received: dict[str, dict[int, list[Piece]]] = defaultdict(lambda: defaultdict(list))
+        for source, part in zip(sources, pieces, strict=True):
             for sid, piece in part.items():
-                received[sid].append(piece)
+                received[source][sid].append(piece)
         self.bytes_in += _nbytes(pieces)
         with self.comm:
             loss, n, grads = self.engine.forward_backward(sample_ids, received)
         if self.par is None or self.par.inner_rank == 0:  # the replica head hands gradients back
-            self.grads[key] = grads
+            for encoder, per_sample in grads.items():
+                self.grads[(key, encoder)] = per_sample
         self._timed("forward_backward", t0)
         return loss, n
 
     @produces_tensors
-    def emit_grads(self, key: Any, sample_ids: list[int], last: bool) -> dict[int, torch.Tensor]:
-        """d(loss)/d(embeddings) of ``sample_ids``, for the vision replica that produced them."""
-        if key not in self.grads:
-            raise RuntimeError(f"text rank {self.rank}: no gradients for micro-batch {key}: its step failed")
-        out = {i: self.grads[key][i] for i in sample_ids if i in self.grads[key]}
+    def emit_grads(self, key: Any, encoder: str, sample_ids: list[int], last: bool) -> dict[int, torch.Tensor]:
+        """d(loss)/d(embeddings) of ``sample_ids``, for the ``encoder`` replica that produced them."""
+        if (key, encoder) not in self.grads:
+            raise RuntimeError(f"{self.module} rank {self.rank}: no {encoder} gradients for micro-batch {key}: "
+                               "its step failed")
+        held = self.grads[(key, encoder)]
+        out = {i: held[i] for i in sample_ids if i in held}
         if last:
-            del self.grads[key]
+            del self.grads[(key, encoder)]
         self.bytes_out += _nbytes(out)
         return out
 

@@ -1,0 +1,61 @@
+"""What every backend shares: the step's result, the backend protocol, and the end of a step.
+
+A leaf for the driver loop (``dhp.train``), the local backend and the Ray
+backend, so that none of them imports another's file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from dhp.data.sampler import StepPlan
+
+
+@dataclass
+class StepStats:
+    loss: float  # global token mean
+    supervised_tokens: int
+    grad_norm: float
+    lr: float
+    timings: dict[str, float] = field(default_factory=dict)  # "{module}_{phase}" -> seconds
+    router_bytes: int = 0
+    worker_memory_gb: float = 0.0  # peak over the workers (Ray backend)
+    comm_bytes: dict[str, int] = field(default_factory=dict)  # "{module}_{collective}" -> bytes, all ranks
+    imbalance: dict[str, float] = field(default_factory=dict)  # module -> busiest replica's busy time / mean
+
+
+class Backend(Protocol):
+    """Runs steps on the module engines, wherever they live."""
+
+    modules: list[str]
+
+    def run_step(self, plan: StepPlan) -> StepStats: ...
+    def state_dict(self) -> dict[str, torch.Tensor]: ...  # whole-model, our names
+    def rank_state_dicts(self) -> dict[str, list[dict[str, torch.Tensor]]]: ...  # module -> every rank's weights
+    def shutdown(self) -> None: ...
+
+
+def clip_coefficient(grad_norm: float, max_norm: float) -> float:
+    """As torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), at most 1; max_norm <= 0 disables."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (grad_norm + 1e-6))
+
+
+def global_norm(norm_sq: list[float]) -> float:
+    """One gradient norm over all modules, from each module's squared norm."""
+    return math.sqrt(sum(norm_sq))
+
+
+def no_supervised_tokens() -> RuntimeError:
+    return RuntimeError("a global batch with no supervised token: check the data's assistant replies")
+
+
+def imbalance(busy_per_replica: list[float]) -> float:
+    """The busiest replica's busy time over the mean (1.0: perfectly balanced, or nothing to do)."""
+    mean = sum(busy_per_replica) / len(busy_per_replica) if busy_per_replica else 0.0
+    return max(busy_per_replica) / mean if mean > 0 else 1.0

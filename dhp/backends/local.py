@@ -1,0 +1,89 @@
+"""The single-process reference: every module's engine in this process, run one after another.
+
+Every layout of the Ray backend is checked against this (same losses, same weights).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from dhp.backends.base import StepStats, clip_coefficient, global_norm, no_supervised_tokens
+from dhp.config import ConfigError
+from dhp.data.llava import SFTDataset
+from dhp.data.sampler import StepPlan
+from dhp.engine import EncoderEngine, LanguageEngine
+from dhp.inputs import RunInputs, module_state
+
+
+class LocalBackend:
+    def __init__(self, inputs: RunInputs, dataset: SFTDataset) -> None:
+        cfg, mcfg, family = inputs.cfg, inputs.model_cfg, inputs.family
+        self.cfg, self.family = cfg, family
+        device = local_device(cfg.train.device)
+        self.encoders = [
+            EncoderEngine(e, mcfg, cfg, dataset.get, device=device, state=module_state(inputs.init_state,
+                                                                                       e.weight_prefix))
+            for e in family.encoders
+        ]
+        lang = family.language
+        self.language = LanguageEngine(lang, family.encoders, mcfg, cfg, dataset.get, device=device,
+                                       state=module_state(inputs.init_state, lang.weight_prefix))
+        self.engines = [*self.encoders, self.language]
+        self.modules = [e.name for e in self.engines]
+
+    def run_step(self, plan: StepPlan) -> StepStats:
+        t: dict[str, float] = defaultdict(float)
+        loss_sum, n_sup = 0.0, 0
+        lang = self.language.name
+        for k, rnd in enumerate(plan.rounds):
+            ids = rnd.sample_ids
+            pieces = {}
+            for enc in self.encoders:
+                t0 = time.perf_counter()
+                got = enc.forward(k, list(rnd.replicas(enc.name)[0]))
+                pieces[enc.name] = {i: [p] for i, p in got.items()}
+                t[f"{enc.name}_forward"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            loss, n, grads = self.language.forward_backward(ids, pieces)
+            t[f"{lang}_forward_backward"] += time.perf_counter() - t0
+            for enc in self.encoders:
+                if enc.needs_backward and enc.name in grads:
+                    t0 = time.perf_counter()
+                    enc.backward(k, grads[enc.name])
+                    t[f"{enc.name}_backward"] += time.perf_counter() - t0
+            loss_sum += loss
+            n_sup += n
+        if n_sup == 0:
+            raise no_supervised_tokens()
+        for e in self.engines:
+            e.finish_gradients(1.0 / n_sup)
+        grad_norm = global_norm([e.grad_norm_sq() for e in self.engines])
+        coef = clip_coefficient(grad_norm, self.cfg.train.clip_grad_norm)
+        lr = max(e.lr() for e in self.engines)
+        for e in self.engines:
+            e.step(coef)
+        return StepStats(loss_sum / n_sup, n_sup, grad_norm, lr, dict(t),
+                         imbalance={name: 1.0 for name in self.modules})
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for e in self.engines:
+            out.update({f"{e.spec.weight_prefix}.{k}": v for k, v in e.state_dict().items()})
+        return out
+
+    def rank_state_dicts(self) -> dict[str, list[dict[str, torch.Tensor]]]:
+        return {e.name: [e.state_dict()] for e in self.engines}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def local_device(choice: str) -> str:
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but torch sees no CUDA device; use train.device=cpu")
+    return choice

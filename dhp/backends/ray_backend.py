@@ -1,0 +1,254 @@
+"""Driver side of the Ray backend: one worker group per module of the family, the router, the step schedule.
+
+Each module group is a (dp, inner) mesh of ranks: encoder replicas of ``sp``
+(Ulysses) or ``tp`` (the uniform-TP baseline) ranks, language-model replicas of
+``tp`` ranks. Any number of encoder groups feed the one language-model group.
+One step, per micro-batch round k (``StepPlan.rounds``), for every encoder e:
+
+    e rank a of replica q:   forward(k, ids_q)                       its slice of the replica's samples
+    e rank a -> text replica r:  emit(k, ids_q ∩ ids_r)              router: (token index, embeddings) pieces
+    text rank b of replica r:  forward_backward(k, ids_r, sources, *pieces)   every TP rank gets every piece
+    text head of r -> e replica q:  emit_grads(k, e, ids_r ∩ ids_q)  router: whole per-sample gradients
+    e rank a:                backward(k, *grads)                     takes the rows of its own slice
+
+then ``finish_gradients(1 / N)`` on every rank (N = supervised tokens of the whole
+global batch), one global norm from all groups (rank 0 of each module speaks for
+its module, each shard counted once), ``step(clip_coef)``.
+
+Ray runs an actor's calls in submission order, so the schedule is the
+submission order: in ``disaggregated`` placement the encoder forwards of the
+next ``runtime.encoders_ahead`` rounds are submitted before the current round's
+text step and encoder backwards, and the encoder groups work on them while the
+text group computes; ``collocated`` groups share devices and take turns
+(ahead = 0). The driver holds ObjectRefs; tensors go worker to worker.
+
+The driver hands a tensor ref on only once the call that made it has finished
+(``WorkerGroup.wait_tensors``): each round it waits for the round's encoder
+forwards, then for the text step, before submitting what consumes their
+tensors. A failed producer is reported at once, by module and rank.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+from dhp.backends.base import StepStats, clip_coefficient, global_norm, imbalance, no_supervised_tokens
+from dhp.backends.ray_workers import EncoderWorker, LanguageWorker
+from dhp.config import Config, ConfigError
+from dhp.data.sampler import Round, StepPlan
+from dhp.engine import encoder_trains
+from dhp.inputs import RunInputs, module_state
+from dhp.models.spec import FamilySpec
+from dhp.runtime import Broadcast, LayoutError, Runtime, WorkerGroup
+from dhp.runtime import ModuleSpec as GroupSpec
+from dhp.runtime.mesh import ModuleLayout
+
+COMPUTE_PHASES = ("forward", "backward", "forward_backward")  # what a replica's busy time counts
+
+
+class Emitted(NamedTuple):
+    """A tensor-producing call's result, still on the worker: its module, the producing rank and its ObjectRef."""
+
+    module: str
+    rank: int
+    ref: Any
+
+
+def module_layouts(cfg: Config, family: FamilySpec, model_cfg: Any) -> list[ModuleLayout]:
+    """The (dp, inner) layout of each group, encoders first; rejects what cannot work, before any actor starts."""
+    out = []
+    for spec in family.modules:
+        p = cfg.module(spec.name).parallel
+        problem = spec.check_layout(model_cfg, p.sp, p.tp) if spec.check_layout else None
+        if problem:
+            raise ConfigError(problem)
+        if p.sp > 1:
+            out.append(ModuleLayout(spec.name, p.dp, p.sp, "sp"))
+        else:
+            out.append(ModuleLayout(spec.name, p.dp, p.tp, "tp"))
+    return out
+
+
+class RayBackend:
+    def __init__(self, inputs: RunInputs, dataset_spec: dict[str, Any]) -> None:
+        cfg, family = inputs.cfg, inputs.family
+        rt = cfg.runtime
+        self.cfg, self.family = cfg, family
+        self.layouts = module_layouts(cfg, family, inputs.model_cfg)
+        self.layout = {x.module: x for x in self.layouts}
+        self.encoders = [e.name for e in family.encoders]
+        self.lang = family.language.name
+        self.modules = [*self.encoders, self.lang]
+        self.ahead = rt.encoders_ahead if rt.placement == "disaggregated" else 0
+        self.trains = {e.name: encoder_trains(cfg, e) for e in family.encoders}  # frozen: no backward at all
+        worker = {**{e: EncoderWorker for e in self.encoders}, self.lang: LanguageWorker}
+        self.runtime = Runtime(
+            {m: GroupSpec(worker[m], self.layout[m].size, replica_size=self.layout[m].inner) for m in self.modules},
+            placement=rt.placement,
+            cpus_per_worker=rt.cpus_per_worker,
+            gpus_per_worker=rt.gpus_per_worker,
+            transport=rt.transport,
+            address=rt.ray_address,
+        )
+        try:
+            self.runtime.start()
+            backend = self.runtime.backend
+            pending = [self.group(m).setup_parallel.submit(self.layouts, backend, cfg.module(m).parallel)
+                       for m in self.modules]
+            for p in pending:
+                p.get()
+            device = "cuda" if rt.gpus_per_worker > 0 else "cpu"
+            states = {spec.name: module_state(inputs.init_state, spec.weight_prefix) for spec in family.modules}
+            base = {"family": family, "model_cfg": inputs.model_cfg, "cfg": cfg, "device": device,
+                    **dataset_spec}
+            pending = [self.group(m).init_engine.submit(base | {"states": {m: states[m]}}) for m in self.modules]
+            for p in pending:
+                p.get()
+        except LayoutError as e:
+            self.runtime.shutdown()
+            raise ConfigError(f"runtime: {e}") from None
+        except BaseException:
+            self.runtime.shutdown()
+            raise
+
+    def group(self, module: str) -> WorkerGroup:
+        return self.runtime[module]
+
+    @property
+    def text(self) -> WorkerGroup:
+        return self.runtime[self.lang]
+
+    # ---- one step ------------------------------------------------------------------------------
+    def run_step(self, plan: StepPlan) -> StepStats:
+        t_start = time.perf_counter()
+        rounds = plan.rounds
+        forwards: list[dict[str, Any]] = []  # [round] -> encoder -> Pending forward
+        pieces: list[list[list[Emitted]]] = []  # [round][text replica] -> the pieces it needs, from every encoder
+        losses: list[list[tuple[float, int]]] = []  # [round] -> per text replica (head)
+        backwards: list[tuple[str, list[Any]]] = []  # encoder backward refs, to surface errors
+        for k in range(len(rounds)):
+            while len(pieces) < len(rounds) and len(pieces) <= k + self.ahead:  # the encoder groups run ahead
+                j = len(pieces)
+                forwards.append({e: self.group(e).forward.submit(Broadcast(j), list(rounds[j].replicas(e)))
+                                 for e in self.encoders})
+                pieces.append(self._pieces_for(j, rounds[j]))
+            for e in self.encoders:  # a failed forward is the root cause of what follows
+                forwards[k][e].get()
+            self._wait_emitted([x for per_replica in pieces[k] for x in per_replica])
+            text_refs = self._submit_text(k, rounds[k], pieces[k])
+            grads = {e: self._grads_for(k, rounds[k], e) for e in self.encoders if self.trains[e]}
+            losses.append(self.text.pending("forward_backward", text_refs).get())
+            for e, per_replica in grads.items():
+                self._wait_emitted([x for xs in per_replica for x in xs])
+                backwards.append((e, self._submit_backward(e, k, per_replica)))
+        for e, refs in backwards:
+            self.group(e).get("backward", refs)
+        loss_sum = sum(loss for per_round in losses for loss, _ in per_round)
+        n_sup = sum(n for per_round in losses for _, n in per_round)
+        if n_sup == 0:
+            raise no_supervised_tokens()
+        norm_sq = self._call_all("finish_gradients", 1.0 / n_sup)
+        grad_norm = global_norm(list(norm_sq.values()))
+        coef = clip_coefficient(grad_norm, self.cfg.train.clip_grad_norm)
+        reports = self._call_all("step", coef)
+        return self._stats(loss_sum / n_sup, n_sup, grad_norm, reports, time.perf_counter() - t_start)
+
+    def _pieces_for(self, k: int, rnd: Round) -> list[list[Emitted]]:
+        """[text replica r] -> the pieces it needs: one per encoder rank whose replica holds some of its samples."""
+        text = rnd.replicas(self.lang)
+        out: list[list[Emitted]] = [[] for _ in text]
+        for e in self.encoders:
+            for q, enc_ids in enumerate(rnd.replicas(e)):
+                for r, text_ids in enumerate(text):
+                    shared = sorted(set(text_ids).intersection(enc_ids))
+                    if not shared:
+                        continue
+                    last = not any(set(text[s]).intersection(enc_ids) for s in range(r + 1, len(text)))
+                    for a in self._emitting_ranks(e, q):
+                        out[r].append(Emitted(e, a, self.group(e).submit_rank(a, "emit", k, shared, last)))
+        return out
+
+    def _emitting_ranks(self, module: str, q: int) -> list[int]:
+        """Ranks of replica q that hold distinct pieces: every SP rank; one TP rank (they agree)."""
+        layout = self.layout[module]
+        ranks = layout.ranks_of_replica(q)
+        return ranks if layout.inner_name == "sp" else ranks[:1]
+
+    def _submit_text(self, k: int, rnd: Round, pieces: list[list[Emitted]]) -> list[Any]:
+        text = rnd.replicas(self.lang)
+        refs = []
+        for b in range(self.layout[self.lang].size):
+            r = self.layout[self.lang].replica_of(b)  # every TP rank of replica r gets all of r's pieces
+            refs.append(self.text.submit_rank(b, "forward_backward", k, list(text[r]),
+                                              [x.module for x in pieces[r]], *(x.ref for x in pieces[r])))
+        return refs
+
+    def _grads_for(self, k: int, rnd: Round, e: str) -> list[list[Emitted]]:
+        """[encoder replica q] -> the gradients it gets back, one from the head of each text replica it fed."""
+        text, enc = rnd.replicas(self.lang), rnd.replicas(e)
+        heads = self.text.replica_heads()
+        out: list[list[Emitted]] = [[] for _ in enc]
+        for q, enc_ids in enumerate(enc):
+            for r, text_ids in enumerate(text):
+                shared = sorted(set(text_ids).intersection(enc_ids))
+                if not shared:
+                    continue
+                last = not any(set(enc[p]).intersection(text_ids) for p in range(q + 1, len(enc)))
+                out[q].append(Emitted(self.lang, heads[r],
+                                      self.text.submit_rank(heads[r], "emit_grads", k, e, shared, last)))
+        return out
+
+    def _submit_backward(self, e: str, k: int, grads: list[list[Emitted]]) -> list[Any]:
+        layout = self.layout[e]
+        return [self.group(e).submit_rank(a, "backward", k, *(x.ref for x in grads[layout.replica_of(a)]))
+                for a in range(layout.size)]
+
+    def _wait_emitted(self, emitted: list[Emitted]) -> None:
+        for m in {x.module for x in emitted}:
+            mine = [x for x in emitted if x.module == m]
+            self.group(m).wait_tensors("emit" if m != self.lang else "emit_grads", [x.ref for x in mine],
+                                       [x.rank for x in mine])
+
+    def _call_all(self, method: str, *args: Any) -> dict[str, Any]:
+        """Start ``method`` on every group, then collect each by its declared mode (groups run concurrently)."""
+        pending = {m: getattr(self.group(m), method).submit(*args) for m in self.modules}
+        return {m: p.get() for m, p in pending.items()}
+
+    def _stats(self, loss: float, n_sup: int, grad_norm: float, reports: dict[str, list[dict]],
+               wall: float) -> StepStats:
+        timings: dict[str, float] = {}
+        balance: dict[str, float] = {}
+        for name, per_rank in reports.items():
+            busy: dict[str, float] = {}
+            for rep in per_rank:
+                for phase, sec in rep["busy"].items():
+                    busy[phase] = max(busy.get(phase, 0.0), sec)
+            for phase, sec in busy.items():
+                timings[f"{name}_{phase}"] = sec
+            timings[f"{name}_idle"] = max(0.0, wall - sum(busy.values()))
+            layout = self.layout[name]
+            per_replica = [max(sum(per_rank[a]["busy"].get(p, 0.0) for p in COMPUTE_PHASES)
+                               for a in layout.ranks_of_replica(q)) for q in range(layout.dp)]
+            balance[name] = imbalance(per_replica)
+        router = sum(rep["bytes_in"] for per_rank in reports.values() for rep in per_rank)
+        lr = max(rep["lr"] for per_rank in reports.values() for rep in per_rank)
+        memory = max(rep["memory_gb"] for per_rank in reports.values() for rep in per_rank)
+        comm = {f"{name}_{kind}": sum(rep["comm"].get(kind, 0) for rep in per_rank)
+                for name, per_rank in reports.items() for kind in sorted({k for r in per_rank for k in r["comm"]})}
+        return StepStats(loss, n_sup, grad_norm, lr, timings, router_bytes=router, worker_memory_gb=memory,
+                         comm_bytes=comm, imbalance=balance)
+
+    # ---- end -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        states = self._call_all("state_dict")
+        out = {}
+        for spec in self.family.modules:
+            out.update({f"{spec.weight_prefix}.{k}": v for k, v in states[spec.name].items()})
+        return out
+
+    def rank_state_dicts(self) -> dict[str, list[dict[str, Any]]]:
+        return self._call_all("rank_state_dict")
+
+    def shutdown(self) -> None:
+        self.runtime.shutdown()

@@ -1,0 +1,102 @@
+"""What a run is made of: config, model family and config, tokenizer, data files, starting weights.
+
+Shared by the driver loop, both backends and the workers (a leaf of the
+trainer: it imports no backend), so none of them imports another's file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dhp.config import Config, ConfigError
+from dhp.data.llava import SFTDataset
+from dhp.data.sampler import BatchPlanner
+from dhp.data.tokenizer import Tokenizer
+from dhp.models.registry import resolve_family
+from dhp.models.spec import FamilySpec
+
+
+@dataclass
+class RunInputs:
+    cfg: Config
+    family: FamilySpec
+    model_cfg: Any  # the family's model config
+    tokenizer_dir: Path
+    train_path: Path
+    eval_path: Path | None
+    init_state: dict[str, torch.Tensor] | None  # our-named weights from model.hf_path, or None (random init)
+
+
+def resolve_inputs(cfg: Config) -> RunInputs:
+    """Fill in the demo data set and tokenizer where the config leaves them unset; read the model config."""
+    data = cfg.data
+    train_path = Path(data.path) if data.path else None
+    eval_path = Path(data.eval_path) if data.eval_path else None
+    tokenizer_dir = Path(data.tokenizer) if data.tokenizer else None
+    if train_path is None:
+        from dhp.data.demo import ensure_demo_dataset
+
+        demo = ensure_demo_dataset()
+        train_path, eval_path = demo / "train.jsonl", eval_path or demo / "eval.jsonl"
+        tokenizer_dir = tokenizer_dir or demo / "tokenizer"
+    if tokenizer_dir is None:
+        if not cfg.model.hf_path:
+            raise ConfigError("data.tokenizer: set it to a directory with tokenizer.json (or set model.hf_path)")
+        tokenizer_dir = Path(cfg.model.hf_path)
+    family = resolve_family(cfg.model.family, cfg.model.hf_path)
+    try:
+        model_cfg = family.model_config(cfg, Tokenizer(tokenizer_dir))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    init_state = family.load_hf_state(cfg.model.hf_path) if cfg.model.hf_path else None
+    return RunInputs(cfg, family, model_cfg, tokenizer_dir, train_path, eval_path, init_state)
+
+
+def module_state(state: dict[str, torch.Tensor] | None, prefix: str) -> dict[str, torch.Tensor] | None:
+    """The part of an our-named state dict under ``prefix.`` with the prefix removed."""
+    if state is None:
+        return None
+    return {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+
+
+def dataset_spec(cfg: Config, tokenizer_dir: Path, path: Path) -> dict:
+    """What a worker needs to open the same data set and address samples by the same ids."""
+    return {"data_cfg": replace(cfg.data, path=str(path)), "tokenizer_dir": str(tokenizer_dir), "path": str(path),
+            "validated": None}
+
+
+def open_dataset(spec: dict) -> SFTDataset:
+    """The data set, validated when opened: a bad sample raises DataError naming file and sample
+    (``data.on_error=raise``) or is dropped and counted (``skip``). With ``spec["validated"]`` (the
+    driver's result, handed to workers) the image headers are not read again, and every worker
+    indexes exactly the samples the driver planned with."""
+    return SFTDataset(spec["data_cfg"], Tokenizer(spec["tokenizer_dir"]), path=spec["path"],
+                      validated=spec["validated"])
+
+
+def module_costs(family: FamilySpec, model_cfg: Any, dataset: SFTDataset) -> dict[str, list[float]]:
+    """Per module, each sample's cost (what the module's group balances); 0 where an encoder has nothing to do.
+
+    The language model's cost falls back to the token count, an encoder's to its placeholder count."""
+    infos = [dataset.info(i) for i in range(len(dataset))]
+    out: dict[str, list[float]] = {}
+    for enc in family.encoders:
+        tokens = [enc.info_tokens(info, model_cfg) if enc.info_tokens else
+                  info.token_counts.get(enc.token_id(model_cfg), 0) for info in infos]
+        out[enc.name] = [(float(enc.cost(info, model_cfg)) if enc.cost else float(n)) if n else 0.0
+                         for info, n in zip(infos, tokens, strict=True)]
+    lang = family.language
+    out[lang.name] = [float(lang.cost(info, model_cfg)) if lang.cost else float(info.num_tokens) for info in infos]
+    return out
+
+
+def make_planner(inputs: RunInputs, dataset: SFTDataset) -> BatchPlanner:
+    """The run's batch plan: each module's costs, its dp, the batch sizes and the seed of the config."""
+    cfg = inputs.cfg
+    costs = module_costs(inputs.family, inputs.model_cfg, dataset)
+    return BatchPlanner(costs, {m: cfg.module(m).parallel.dp for m in costs}, cfg.train.global_batch_size,
+                        cfg.train.micro_batch_size, seed=cfg.train.seed, language=inputs.family.language.name)

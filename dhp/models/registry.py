@@ -1,0 +1,77 @@
+"""Model families by name: ``model.family`` (or an HF ``config.json``'s ``model_type``) -> ``FamilySpec``.
+
+Built-in families are listed as import paths and imported on first use, so
+importing this registry imports no model. A plugin registers its own with
+``register_family(spec)``, or names it in the config as ``model.family=package.module:ATTR``
+(that form also reaches Ray workers, which import it themselves).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from dhp.models.spec import FamilySpec
+
+DEFAULT_FAMILY = "qwen2_5_vl"
+_BUILTIN = {"qwen2_5_vl": "dhp.models.qwen2_5_vl.family:FAMILY"}
+_registered: dict[str, FamilySpec] = {}
+
+
+class UnknownFamily(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def register_family(spec: FamilySpec) -> FamilySpec:
+    """Add (or replace) a family under ``spec.name``; returns it."""
+    _registered[spec.name] = spec
+    return spec
+
+
+def family_names() -> list[str]:
+    return sorted(set(_BUILTIN) | set(_registered))
+
+
+def get_family(name: str) -> FamilySpec:
+    """The family registered as ``name``, a built-in one, or ``module:ATTR`` imported."""
+    if name in _registered:
+        return _registered[name]
+    target = _BUILTIN.get(name, name if ":" in name else None)
+    if target is None:
+        raise UnknownFamily(f"model.family: unknown family {name!r}; known: {', '.join(family_names())} "
+                            "(or give package.module:ATTR)")
+    module_name, _, attr = target.partition(":")
+    try:
+        spec = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise UnknownFamily(f"model.family: cannot load {target} ({e})") from None
+    if not isinstance(spec, FamilySpec):
+        raise UnknownFamily(f"model.family: {target} is a {type(spec).__name__}, not a FamilySpec")
+    if name in _BUILTIN:
+        _registered[name] = spec
+    return spec
+
+
+def family_for_model_type(model_type: str) -> FamilySpec:
+    """The family whose ``hf_model_types`` include ``model_type``."""
+    for name in family_names():
+        spec = get_family(name)
+        if model_type in spec.hf_model_types:
+            return spec
+    raise UnknownFamily(f"model.hf_path: model_type {model_type!r} belongs to no known family "
+                        f"({', '.join(family_names())}); set model.family")
+
+
+def resolve_family(family: str | None, hf_path: str | None) -> FamilySpec:
+    """``model.family`` when set, else the family of ``model.hf_path``'s model_type, else the default."""
+    if family:
+        return get_family(family)
+    if hf_path:
+        config = Path(hf_path) / "config.json"
+        if config.is_file():
+            model_type = json.loads(config.read_text()).get("model_type")
+            if model_type:
+                return family_for_model_type(model_type)
+    return get_family(DEFAULT_FAMILY)

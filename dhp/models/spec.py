@@ -1,0 +1,133 @@
+"""What a model family declares, so that the runtime, engines and trainer never import one.
+
+A family (``dhp/models/<family>/``) is one or more encoders feeding one language
+model. Each module runs in its own group of workers with its own layout, so per
+module the family gives (torchtitan's ``ModelSpec``, per module):
+
+- ``build(model_cfg)`` the module, with no weights touched (works under ``torch.device("meta")``);
+- ``init(module, seed)`` a deterministic random init;
+- ``parallelize(module, par, opts)`` TP or SP, then activation checkpointing, then FSDP, in that order;
+- ``weight_prefix`` its part of the whole-model state dict (the family's weight adapter maps HF names);
+- data hooks: ``num_tokens(sample, model_cfg)`` how many placeholder tokens the encoder fills for a sample,
+  ``token_id(model_cfg)`` which placeholder the language model puts them at, ``encode`` what the
+  encoder computes from a batch of samples, and ``cost(info)`` what balancing the group weighs.
+
+The family itself adds the model config (presets, HF ``config.json``), the whole-model adapter
+(HF checkpoint in and out) and the full model used for evaluation.
+
+This file is a leaf: it imports nothing from dhp, so anything may import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+InnerKind = Literal["sp", "tp"]
+
+
+@dataclass(frozen=True)
+class SampleInfo:
+    """What the planner knows of a sample without decoding its media (from validation)."""
+
+    index: int
+    num_tokens: int  # tokens in the language model's sequence
+    image_grids: tuple[tuple[int, int, int], ...] = ()  # (t, h, w) patches per image
+    token_counts: dict[int, int] = field(default_factory=dict)  # special token id -> occurrences
+
+
+@dataclass
+class ParallelizeOptions:
+    """What the engine decided for one module, handed to the family's ``parallelize``."""
+
+    activation_checkpointing: bool = False
+    fsdp_mesh: Any = None  # a 1D DeviceMesh to shard over (ZeRO-3 / FSDP2), or None
+    mp_policy: Any = None  # FSDP2 MixedPrecisionPolicy, or None
+    sequence_parallel: bool = False  # Megatron-style SP inside TP (language model)
+
+
+class Parallelize(Protocol):
+    def __call__(self, module: nn.Module, par: Any, opts: ParallelizeOptions) -> None: ...
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One module of a family: how to build, initialise and parallelize it, and where its weights live."""
+
+    name: str  # the module's role: its config section and its worker group ("vision", "audio", "text")
+    weight_prefix: str  # its keys in the whole-model state dict ("visual", "language")
+    build: Callable[[Any], nn.Module]
+    init: Callable[[nn.Module, int], None]
+    parallelize: Parallelize
+    seed_offset: int = 0  # init seed = train.seed + seed_offset (each module its own stream)
+    inner: tuple[InnerKind, ...] = ()  # the inner parallelism it supports besides dp ("sp", "tp")
+    sequence_parallel: bool = False  # supports Megatron-style sequence parallelism under tp
+    check_layout: Callable[[Any, int, int], str | None] | None = None  # (model_cfg, sp, tp) -> problem or None
+    projector_prefixes: tuple[str, ...] = ()  # parameters governed by the `merger` config section
+    forward_methods: tuple[str, ...] = ()  # methods called instead of __call__ (FSDP2 must hook them)
+    export: Callable[[dict[str, torch.Tensor], Any, Any], dict[str, torch.Tensor]] | None = None
+    # ^ (full state, par, module) -> the state in the family's canonical layout (e.g. undo a TP row order)
+    cost: Callable[[SampleInfo, Any], float] | None = None  # (info, model_cfg) -> this module's work on a sample
+
+
+@dataclass(frozen=True)
+class EncoderSpec(ModuleSpec):
+    """An encoder: turns a sample's media into embeddings at the language model's placeholders.
+
+    ``encode(module, samples, par, device) -> (embeds [n_local, D], index [n_local])``: embeddings of the
+    placeholder tokens this rank computed, and for each its position among the placeholder tokens of the
+    batch (the samples' placeholder tokens concatenated in sample order). Without sequence parallelism a
+    rank computes all of them, in order.
+    """
+
+    num_tokens: Callable[[Any, Any], int] = lambda sample, model_cfg: 0  # noqa: E731 - (Sample, model_cfg)
+    token_id: Callable[[Any], int] = lambda model_cfg: -1  # noqa: E731 - the placeholder id
+    encode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    info_tokens: Callable[[SampleInfo, Any], int] | None = None  # placeholder count from a SampleInfo
+
+
+@dataclass(frozen=True)
+class LanguageSpec(ModuleSpec):
+    """The language model: ``module.loss_sum(input_ids, position_ids, targets, media, cu_seqlens)`` with
+    ``media = {placeholder token id: embeddings [n, D] in order}`` returns the summed next-token loss."""
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """A model family: its modules and the whole-model adapters. Registered by name (``dhp.models.registry``)."""
+
+    name: str
+    encoders: tuple[EncoderSpec, ...]
+    language: LanguageSpec
+    hf_model_types: tuple[str, ...] = ()
+    presets: tuple[str, ...] = ()
+    # (cfg: Config, tokenizer) -> model config; reads the preset, model.hf_path, and token ids from the tokenizer
+    model_config: Callable[[Any, Any], Any] | None = None
+    # (hf checkpoint dir) -> our-named whole-model state dict
+    load_hf_state: Callable[[str | Path], dict[str, torch.Tensor]] | None = None
+    # (model_cfg, our-named state) -> the whole model, for evaluation and export
+    full_model: Callable[[Any, dict[str, torch.Tensor]], nn.Module] | None = None
+    # (whole model, out dir) -> an HF checkpoint there
+    save_hf: Callable[[nn.Module, Path], None] | None = None
+    describe: Callable[[Any], list[tuple[str, int, str]]] | None = None  # (model_cfg) -> (module, params, text)
+    preset_config: Callable[[str], Any] | None = None  # (preset name) -> model config, no tokenizer needed
+
+    @property
+    def modules(self) -> tuple[ModuleSpec, ...]:
+        return (*self.encoders, self.language)
+
+    @property
+    def module_names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.modules)
+
+    def module(self, name: str) -> ModuleSpec:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(f"model family {self.name} has no module {name!r} (its modules: "
+                       f"{', '.join(self.module_names)})")

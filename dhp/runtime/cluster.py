@@ -1,0 +1,111 @@
+"""Joining or starting Ray, and the backend/transport choices that depend only on the cluster's devices.
+
+Kept apart from the worker groups because it is the one place that decides how
+Ray itself runs. A local Ray (no address, no RAY_ADDRESS) is started bound to
+the loopback interface: a single-machine run has no peer to talk to, so its
+GCS, raylet, object manager and worker gRPC servers listen on 127.0.0.1 only
+(Ray's token authentication stays on as well). Ray 2.60 offers no option for
+that: ``ray.init(_node_ip_address="127.0.0.1")`` is turned back into the
+machine's routable IP (``services.resolve_ip_for_localhost``); Ray only keeps
+the loopback address when ``ray_constants.ENABLE_RAY_CLUSTER`` is off (its
+setting on macOS/Windows), and every gRPC server of Ray binds 127.0.0.1 when the
+node IP is 127.0.0.1. ``init_local_ray`` turns that flag off for the duration of
+``ray.init`` only, and checks the outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Literal
+
+import ray
+
+Transport = Literal["auto", "direct", "object_store"]
+
+LOOPBACK = "127.0.0.1"
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+
+log = logging.getLogger(__name__)
+
+
+def start_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Starts a local Ray (address None and no RAY_ADDRESS) or joins one ("auto", host:port, RAY_ADDRESS).
+
+    Idempotent: if Ray is already initialized in this process nothing happens.
+    Returns True when this call started Ray (the caller then owns its shutdown).
+    A local Ray listens on the loopback interface only (``init_local_ray``).
+    """
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        init_local_ray(num_cpus=num_cpus, log_to_driver=True)
+    else:
+        ray.init(address=address)  # resources belong to the cluster; num_cpus is not allowed when joining
+    return True
+
+
+def init_local_ray(num_cpus: int | None = None, **init_kwargs: Any) -> str:
+    """Starts a new single-node Ray whose servers listen on 127.0.0.1 only; returns the node IP Ray took.
+
+    ``init_kwargs`` go to ``ray.init`` (``runtime_env``, ``log_to_driver``...); the
+    dashboard is off unless asked for. If this Ray version ignores the loopback
+    request, Ray still starts (bound as Ray chooses) and a warning says so.
+    """
+    init_kwargs.setdefault("include_dashboard", False)
+    from ray._private import ray_constants  # Ray 2.60 internal: see the module docstring
+
+    had_flag = hasattr(ray_constants, "ENABLE_RAY_CLUSTER")
+    saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    ray_constants.ENABLE_RAY_CLUSTER = False  # node IP = loopback, so every gRPC server binds 127.0.0.1
+    try:
+        ray.init(num_cpus=num_cpus, **init_kwargs)
+    finally:
+        if had_flag:
+            ray_constants.ENABLE_RAY_CLUSTER = saved
+        else:
+            del ray_constants.ENABLE_RAY_CLUSTER
+    node_ip = node_ip_address()
+    if node_ip not in LOOPBACK_HOSTS:
+        log.warning("local Ray took node IP %s, not %s: its servers may listen beyond this machine", node_ip, LOOPBACK)
+    return node_ip
+
+
+def node_ip_address() -> str:
+    """The IP address Ray uses for this node (127.0.0.1 for a local Ray started by ``init_local_ray``)."""
+    return ray.util.get_node_ip_address()
+
+
+def choose_backend(gpus_per_worker: float) -> str:
+    """The collective backend of the module groups: NCCL when workers hold GPUs, gloo otherwise."""
+    return "nccl" if gpus_per_worker > 0 else "gloo"
+
+
+def resolve_transport(transport: Transport, backend: str, gpus_per_worker: float) -> str | None:
+    """The Ray ``tensor_transport`` for tensor-producing methods, or None for the object store.
+
+    "auto" is Ray Direct Transport over NCCL between GPUs, and the object store
+    elsewhere: on CPU (gloo), because RDT over gloo (ray 2.60) was seen to lose
+    a transfer under CPU load, the receiver failing after 60 s (docs/runtime.md);
+    and where workers share a GPU (collocated, fractional GPUs), because one NCCL
+    communicator cannot hold two ranks on one device. "direct" forces RDT.
+    """
+    if transport not in ("auto", "direct", "object_store"):
+        raise ValueError(f"runtime.transport must be auto, direct or object_store, got {transport!r}")
+    if transport == "object_store":
+        return None
+    if transport == "auto" and (backend != "nccl" or 0 < gpus_per_worker < 1):
+        return None
+    return "NCCL" if backend == "nccl" else "GLOO"
+
+
+__all__ = [
+    "LOOPBACK",
+    "Transport",
+    "choose_backend",
+    "init_local_ray",
+    "node_ip_address",
+    "resolve_transport",
+    "start_ray",
+]
