@@ -232,9 +232,15 @@ class ModuleEngine:
         for k, v in self.module.state_dict().items():
             v = v.full_tensor() if isinstance(v, DTensor) else v
             out[_unwrapped(k)] = v.detach().to("cpu", copy=True)
-        if self.spec.export is not None:
-            out = self.spec.export(out, self.par, self.module)
+        for name, t in self.layout_transforms().items():
+            out[name] = t.to_canonical(out[name])
         return out
+
+    def layout_transforms(self) -> dict:
+        """Parameters whose global layout here is not the canonical one (the family says which)."""
+        if self.spec.layout_transforms is None:
+            return {}
+        return self.spec.layout_transforms(self.module, self.par)
 
 
 def _unwrapped(key: str) -> str:

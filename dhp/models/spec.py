@@ -56,6 +56,14 @@ class Parallelize(Protocol):
 
 
 @dataclass(frozen=True)
+class LayoutTransform:
+    """Full global tensor in a layout's order <-> the canonical (checkpoint, HF) order."""
+
+    to_canonical: Callable[[torch.Tensor], torch.Tensor]
+    from_canonical: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
 class ModuleSpec:
     """One module of a family: how to build, initialise and parallelize it, and where its weights live."""
 
@@ -70,8 +78,10 @@ class ModuleSpec:
     check_layout: Callable[[Any, int, int], str | None] | None = None  # (model_cfg, sp, tp) -> problem or None
     projector_prefixes: tuple[str, ...] = ()  # parameters governed by the `merger` config section
     forward_methods: tuple[str, ...] = ()  # methods called instead of __call__ (FSDP2 must hook them)
-    export: Callable[[dict[str, torch.Tensor], Any, Any], dict[str, torch.Tensor]] | None = None
-    # ^ (full state, par, module) -> the state in the family's canonical layout (e.g. undo a TP row order)
+    layout_transforms: Callable[[nn.Module, Any], dict[str, LayoutTransform]] | None = None
+    # ^ (module, par) -> {parameter name: transform} for parameters whose global (DTensor) layout under this
+    #   layout is not the canonical one (e.g. a fused qkv whose rows a TP plan groups by rank)
+    reset_buffers: Callable[[nn.Module], None] | None = None  # recompute non-persistent buffers after to_empty
     cost: Callable[[SampleInfo, Any], float] | None = None  # (info, model_cfg) -> this module's work on a sample
 
 
@@ -115,6 +125,9 @@ class FamilySpec:
     # (whole model, out dir) -> an HF checkpoint there
     save_hf: Callable[[nn.Module, Path], None] | None = None
     describe: Callable[[Any], list[tuple[str, int, str]]] | None = None  # (model_cfg) -> (module, params, text)
+    hf_key: Callable[[str], str] | None = None  # our whole-model key ("visual.blocks.0...") -> its HF name
+    hf_config: Callable[[Any, torch.dtype], dict] | None = None  # (model_cfg, dtype) -> HF config.json contents
+    tied: Callable[[Any], dict[str, str]] | None = None  # (model_cfg) -> {our key: the key it shares storage with}
     preset_config: Callable[[str], Any] | None = None  # (preset name) -> model config, no tokenizer needed
 
     @property

@@ -8,6 +8,7 @@ family up by name (``dhp.models.registry``) and never imports this file.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,8 +21,14 @@ from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig, TextConfig, VisionCon
 from dhp.models.qwen2_5_vl.model import Qwen2_5_VL, count_parameters
 from dhp.models.qwen2_5_vl.text import TextModel
 from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_weights, vision_layout
-from dhp.models.qwen2_5_vl.weights import load_hf_state_dict, load_into, read_hf_config, save_hf_checkpoint
-from dhp.models.spec import EncoderSpec, FamilySpec, LanguageSpec, ParallelizeOptions, SampleInfo
+from dhp.models.qwen2_5_vl.weights import (
+    dhp_to_hf_key,
+    load_hf_state_dict,
+    load_into,
+    read_hf_config,
+    save_hf_checkpoint,
+)
+from dhp.models.spec import EncoderSpec, FamilySpec, LanguageSpec, LayoutTransform, ParallelizeOptions, SampleInfo
 from dhp.parallel.sharding import apply_activation_checkpointing, apply_fsdp
 
 # ---- vision encoder -----------------------------------------------------------------------------------
@@ -73,15 +80,18 @@ def encode_vision(module: VisionTransformer, samples: list, par: Any,
     return out, shard.merged_index.to(out.device)
 
 
-def export_vision(state: dict[str, torch.Tensor], par: Any, module: nn.Module) -> dict[str, torch.Tensor]:
-    """Under the uniform-TP baseline the fused qkv rows are grouped by rank: put them back in HF order."""
+def vision_layout_transforms(module: nn.Module, par: Any) -> dict[str, LayoutTransform]:
+    """Under the uniform-TP baseline the fused qkv rows are grouped by rank (``FusedQKVColwise``): the global
+    DTensor is not in HF order. Every other layout, and every other parameter, is canonical as it is."""
     if par.inner_kind != "tp":
-        return state
-    from dhp.models.qwen2_5_vl.parallelize import qkv_rows_from_rank_order
+        return {}
+    from dhp.models.qwen2_5_vl.parallelize import qkv_rows_from_rank_order, qkv_rows_to_rank_order
 
-    heads = module.cfg.num_heads
-    return {k: qkv_rows_from_rank_order(v, heads, par.spec.tp) if k.endswith(("attn.qkv.weight", "attn.qkv.bias"))
-            else v for k, v in state.items()}
+    heads, tp = module.cfg.num_heads, par.spec.tp
+    transform = LayoutTransform(to_canonical=functools.partial(qkv_rows_from_rank_order, num_heads=heads, tp=tp),
+                                from_canonical=functools.partial(qkv_rows_to_rank_order, num_heads=heads, tp=tp))
+    return {name.replace("._checkpoint_wrapped_module", ""): transform for name, _ in module.named_parameters()
+            if name.endswith(("attn.qkv.weight", "attn.qkv.bias"))}
 
 
 def check_vision_layout(model_cfg: Qwen2_5_VLConfig, sp: int, tp: int) -> str | None:
@@ -169,7 +179,7 @@ VISION = EncoderSpec(
     check_layout=check_vision_layout,
     projector_prefixes=("merger.",),
     forward_methods=("encode_rows",),
-    export=export_vision,
+    layout_transforms=vision_layout_transforms,
     cost=vision_cost,
     num_tokens=lambda sample, model_cfg: sample.num_image_tokens,
     token_id=lambda model_cfg: model_cfg.image_token_id,
@@ -289,5 +299,9 @@ FAMILY = FamilySpec(
     full_model=full_model,
     save_hf=save_hf,
     describe=describe,
+    hf_key=dhp_to_hf_key,
+    hf_config=lambda model_cfg, dtype: model_cfg.to_hf_dict() | {"dtype": str(dtype).removeprefix("torch.")},
+    tied=lambda model_cfg: ({"language.lm_head.weight": "language.embed_tokens.weight"}
+                            if model_cfg.text.tie_word_embeddings else {}),
     preset_config=lambda name: read_hf_config(name) if Path(name).is_dir() else preset(name),
 )
