@@ -61,6 +61,10 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # local backend; auto: cuda when available
     log_every: int = 1
     eval_at_end: bool = True
+    checkpoint_every: int = 0  # steps between checkpoints in output.dir/checkpoints/ (0: none but the last)
+    keep_checkpoints: int = 2  # complete checkpoints kept (older ones go once a newer one is complete); 0: all
+    resume: str = "auto"  # auto: the newest complete checkpoint in output.dir; none; or a checkpoint path
+    checkpoint_on_exit: bool = True  # Ctrl-C / SIGTERM: finish the step, write a checkpoint, exit
 
 
 @dataclass
@@ -97,6 +101,7 @@ class MergerConfig:
 class OutputConfig:
     dir: str = "outputs/run"
     save_final: bool = True  # write a Hugging Face checkpoint at the end
+    overwrite: bool = False  # allow a new run in a directory that holds another run
 
 
 @dataclass
@@ -108,6 +113,8 @@ class RuntimeConfig:
     transport: Literal["auto", "direct", "object_store"] = "auto"
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0  # 0: CPU training (gloo)
+    max_failures: int = 0  # worker failures a run survives (restart every group, resume the newest checkpoint)
+    collective_timeout_s: float = 600.0  # a collective waiting longer than this fails instead of hanging
 
 
 FIXED_SECTIONS = ("model", "data", "train", "merger", "output", "runtime")
@@ -151,6 +158,10 @@ class Config:
         _check(0 < self.data.min_pixels <= self.data.max_pixels, "data.min_pixels",
                f"must be > 0 and <= data.max_pixels ({self.data.max_pixels})")
         _check(self.runtime.encoders_ahead >= 0, "runtime.encoders_ahead", "must be >= 0")
+        _check(t.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0 (0: no periodic checkpoints)")
+        _check(t.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0: keep all)")
+        _check(self.runtime.max_failures >= 0, "runtime.max_failures", "must be >= 0")
+        _check(self.runtime.collective_timeout_s > 0, "runtime.collective_timeout_s", "must be > 0 seconds")
         for name, m in self.modules.items():
             _check_module(name, m, family.module(name) if family is not None else None, self.runtime.backend)
         if not (any(m.trainable for m in self.modules.values()) or self.merger.trainable):
