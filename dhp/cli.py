@@ -1,13 +1,45 @@
-"""The ``dhp`` command: train, info, data."""
+"""The ``dhp`` command: train, info, data.
+
+Errors: a mistake the user can fix (``dhp.errors``: config, data, model or
+checkpoint) is one ``dhp: ...`` line naming the key or file and the fix, with
+an exit code per class (``EXIT_CODES``); a failed Ray worker is one paragraph
+(module, rank, method, step, the worker's own error line). ``--debug`` or
+``DHP_DEBUG=1`` adds the traceback, and lets Ray's startup messages through.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import re
 import sys
+import textwrap
+import traceback
 from importlib import resources
 from pathlib import Path
 
 from dhp.config import ConfigError, load_config
+from dhp.errors import (
+    EXIT_BUG,
+    EXIT_CODES,
+    EXIT_INTERRUPTED,
+    EXIT_WORKER,
+    DataError,
+    DhpError,
+    ModelError,
+    UsageError,
+)
+
+EMBEDDED = "demo"  # the name of the embedded demo config on the command line
+MAX_LISTED_PROBLEMS = 5  # per-sample problems printed under a data error (`dhp data check` lists more)
+
+BASE_RULE = (
+    "which config: with no argument at all, the embedded demo (dhp/configs/demo.yaml); otherwise the code "
+    "defaults (dhp/config.py), then CONFIG if given (a YAML file, or `demo` for the embedded demo), then the "
+    "key=value overrides in order. So `dhp train key=val` and `dhp train my.yaml key=val` start from the same "
+    "defaults; `dhp train demo key=val` changes the demo."
+)
 
 
 def default_config_path() -> Path:
@@ -16,57 +48,97 @@ def default_config_path() -> Path:
 
 
 def _config(args: argparse.Namespace):
-    """The config of ``dhp train`` / ``dhp data check``: a YAML file (default: the embedded demo) and overrides."""
+    """The config of ``dhp train`` / ``dhp data check`` (``BASE_RULE``)."""
     config, overrides = args.config, list(args.overrides)
+    if config is None and not overrides:
+        return load_config(default_config_path())
     if config is not None and "=" in config and not Path(config).exists():
         overrides.insert(0, config)  # `dhp train key=value` with no file
         config = None
-    return load_config(config or default_config_path(), overrides)
+    if config == EMBEDDED and not Path(config).exists():
+        config = default_config_path()
+    return load_config(config, overrides)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _config(args)
     from dhp.train import train
 
-    train(_config(args))
+    train(cfg)
     return 0
 
 
-def cmd_info(args: argparse.Namespace) -> int:
-    from dhp.models.registry import get_family
+def human_count(n: float) -> str:
+    """12_345_678 -> '12.35 M': parameter counts in K, M or B (thousands, millions, billions)."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
 
-    family = get_family(args.family)
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from dhp.models.registry import UnknownFamily, get_family
+
+    try:
+        family = get_family(args.family)
+    except UnknownFamily as e:
+        raise ConfigError(f"--family: {str(e).removeprefix('model.family: ')}") from None
+    presets = ", ".join(family.presets) or "none"
+    path = Path(args.model)
+    if args.model not in family.presets:
+        if not path.exists():
+            raise ModelError(f"{args.model}: no such preset of {family.name} and no such directory; give a preset "
+                             f"({presets}) or a Hugging Face checkpoint directory")
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{args.model}: no config.json in it; give a Hugging Face checkpoint directory (the one "
+                             f"holding config.json) or a preset ({presets})")
+    if family.preset_config is None or family.describe is None:
+        raise ConfigError(f"--family: the {family.name} family cannot describe its models")
     try:
         model_cfg = family.preset_config(args.model)
-    except (ValueError, FileNotFoundError) as e:
-        raise ConfigError(f"model: {e}") from None
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise ModelError(f"{args.model}: {e}") from None
     rows = family.describe(model_cfg)
-    print(f"{family.name} {args.model}")
+    print(f"{family.name} {args.model}: parameters")
     for name, n, desc in rows:
-        print(f"  {name:<26} {n / 1e9:8.3f} B  ({desc})")
-    print(f"  {'total':<26} {sum(n for _, n, _ in rows) / 1e9:8.3f} B")
+        print(f"  {name:<26} {human_count(n):>9}  ({desc})")
+    print(f"  {'total':<26} {human_count(sum(n for _, n, _ in rows)):>9}")
     return 0
 
 
 def cmd_data_demo(args: argparse.Namespace) -> int:
     from dhp.data.demo import make_demo_dataset
 
-    paths = make_demo_dataset(args.out, seed=args.seed)
-    print(f"dhp: demo data set written to {args.out}: {paths}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out} is a file; give a new or empty directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise UsageError(f"{out} is not empty; give a new or empty directory, or pass --overwrite to write the demo "
+                         "files over what is there")
+    paths = make_demo_dataset(out, seed=args.seed)
+    n_train, n_eval = (sum(1 for line in p.read_text().splitlines() if line.strip()) for p in (paths.train, paths.eval))
+    print(f"dhp: demo data set written to {paths.root}")
+    print(f"  train      {paths.train}  ({n_train} samples)")
+    print(f"  eval       {paths.eval}  ({n_eval} samples)")
+    print(f"  images     {paths.images}/")
+    print(f"  tokenizer  {paths.tokenizer}/")
+    print(f"train on it: dhp train data.path={paths.train} data.eval_path={paths.eval} "
+          f"data.tokenizer={paths.tokenizer}")
     return 0
 
 
 def cmd_data_check(args: argparse.Namespace) -> int:
     """Validate the training data exactly as ``dhp train`` would (same config, same overrides), and report."""
-    from dhp.data.llava import DataError
     from dhp.inputs import dataset_spec, open_dataset, resolve_inputs
 
     cfg = _config(args)
     inputs = resolve_inputs(cfg)
     try:
         ds = open_dataset(dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path))
-    except DataError as e:
-        print(f"dhp: data error: {e}", file=sys.stderr)
-        return 1
+    except DataError as e:  # the report: every problem listed in the error (up to MAX_LISTED_ISSUES)
+        head, *rest = str(e).splitlines() or [""]
+        print("\n".join([f"dhp: {e.label}: {head}", *(f"  {ln}" for ln in rest)]), file=sys.stderr)
+        return e.exit_code
     lengths = ds.lengths()
     print(f"dhp: {inputs.train_path}: {len(ds)} good samples, {len(ds.skipped)} skipped; "
           f"tokens per sample min {min(lengths)} max {max(lengths)} mean {sum(lengths) / len(lengths):.0f}")
@@ -75,40 +147,155 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def _epilog() -> str:
+    codes = "\n".join(f"  {code:>3}  {what}" for code, what in sorted(EXIT_CODES.items()))
+    note = textwrap.fill("An error is one `dhp: ...` line naming the key or file and the fix; --debug (or "
+                         "DHP_DEBUG=1) adds the traceback and Ray's startup messages.", 100)
+    return f"exit codes:\n    0  success\n{codes}\n\n{note}"
+
+
+def _worker_error_line(detail: str) -> str:
+    """The worker's own error: the last ``SomeError: message`` line of its traceback, else its last line."""
+    lines = [ln.strip() for ln in detail.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning|Failure)\b(:|$)", ln):
+            return ln
+    return lines[-1] if lines else "(no message)"
+
+
+def describe_worker_error(e: BaseException) -> str:
+    """One paragraph: module, rank, method, step and the worker's own last error line."""
+    module, rank, method = getattr(e, "module", "?"), getattr(e, "rank", "?"), getattr(e, "method", "?")
+    step = getattr(e, "step", None)
+    text = str(e)
+    detail = text.split("worker traceback:", 1)[1] if "worker traceback:" in text else text
+    where = f"{module} rank {rank}" if isinstance(rank, int) and rank >= 0 else f"the {module} group"
+    at_step = f" at step {step}" if step is not None else ""
+    return (f"dhp: worker failure: {where} failed in {method}(){at_step}:\n"
+            f"  {_worker_error_line(detail)}\n"
+            "  (the worker's traceback: rerun with --debug; its log is under /tmp/ray/session_latest/logs)")
+
+
+def describe_error(e: BaseException) -> tuple[int, str]:
+    """The exit code and the text printed for an exception that ended a command."""
+    from dhp.runtime.errors import WorkerError  # a leaf module: no Ray import
+
+    if isinstance(e, WorkerError):
+        return EXIT_WORKER, describe_worker_error(e)
+    if isinstance(e, DhpError):
+        lines = str(e).splitlines() or [type(e).__name__]
+        text = f"dhp: {e.label}: {lines[0]}"
+        rest = lines[1:]
+        if isinstance(e, DataError) and rest:
+            shown = [ln for ln in rest if not ln.startswith("... and ")][:MAX_LISTED_PROBLEMS]
+            n_more = len(e.issues) - len(shown) if e.issues else len(rest) - len(shown)
+            text += "".join(f"\n  {ln}" for ln in shown)
+            if n_more > 0:
+                text += f"\n  ... and {n_more} more (`dhp data check` with the same arguments lists more)"
+        elif rest:
+            text += "".join(f"\n  {ln}" for ln in rest)
+        return e.exit_code, text
+    message = str(e).splitlines()[0] if str(e) else ""
+    return EXIT_BUG, (f"dhp: unexpected error: {type(e).__name__}: {message}\n"
+                      "  (this is likely a bug in dhp: rerun with --debug for the traceback and report it)")
+
+
+def _debug_wanted(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("DHP_DEBUG", "").strip().lower() not in (
+        "", "0", "false", "no")
+
+
+RAY_STARTUP_LOGGERS = {
+    "ray._private.authentication.authentication_token_setup": logging.ERROR,  # the token-authentication notice
+    "ray._private.worker": logging.WARNING,  # "Started a local Ray instance."
+    "ray._private.services": logging.WARNING,
+    "ray._private.node": logging.WARNING,
+}
+
+
+def _ray_startup_messages(show: bool) -> None:
+    """Keep Ray's startup messages (the token-authentication notice, "Started a local Ray instance") out of the
+    terminal unless ``show`` (--debug). Ray's token authentication itself stays as Ray sets it; its other
+    warnings and errors still show."""
+    for name, level in RAY_STARTUP_LOGGERS.items():
+        logging.getLogger(name).setLevel(logging.NOTSET if show else level)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """A Hugging Face directory from a training checkpoint, written shard by shard (never the whole model at once)."""
+    import torch
+
+    from dhp.checkpoint import export_checkpoint
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    out = export_checkpoint(Path(args.checkpoint), Path(args.out), dtype)
+    print(f"dhp: exported {args.checkpoint} to {out} (config.json, safetensors, tokenizer)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dhp", description="Disaggregated hybrid parallel training of VLMs on Ray")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks and Ray's startup messages (also: DHP_DEBUG=1)")
+    fmt = argparse.RawDescriptionHelpFormatter
+    rule = textwrap.fill(BASE_RULE, 100)
+    p = argparse.ArgumentParser(prog="dhp", description="Disaggregated hybrid parallel training of VLMs on Ray",
+                                epilog=_epilog(), formatter_class=fmt, parents=[common])
+    p.set_defaults(debug=False)
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train (no config: the embedded demo)")
-    t.add_argument("config", nargs="?", help="YAML config (default: the embedded configs/demo.yaml)")
+    t = sub.add_parser("train", help="train (no argument: the embedded demo)", parents=[common],
+                       description=f"Train a model.\n\n{rule}", epilog=_epilog(), formatter_class=fmt)
+    t.add_argument("config", nargs="?", help="YAML config file, or `demo` (the embedded dhp/configs/demo.yaml)")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=1e-4")
     t.set_defaults(fn=cmd_train)
-    i = sub.add_parser("info", help="parameter counts of a preset (built on the meta device) or an HF directory")
+    i = sub.add_parser("info", help="parameter counts of a preset (built on the meta device) or an HF directory",
+                       parents=[common], epilog=_epilog(), formatter_class=fmt)
     i.add_argument("model", help="tiny | 3b | 7b | 32b | 72b | path to a Hugging Face checkpoint")
     i.add_argument("--family", default="qwen2_5_vl", help="model family (default: qwen2_5_vl)")
     i.set_defaults(fn=cmd_info)
-    d = sub.add_parser("data", help="data tools")
+    d = sub.add_parser("data", help="data tools", parents=[common])
     dsub = d.add_subparsers(dest="data_command", required=True)
-    demo = dsub.add_parser("demo", help="write the demo data set (digits, real images) to OUT")
-    demo.add_argument("out")
+    demo = dsub.add_parser("demo", help="write the demo data set (digits, real images) to OUT", parents=[common])
+    demo.add_argument("out", help="a new or empty directory")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--overwrite", action="store_true", help="write into OUT even if it is not empty")
     demo.set_defaults(fn=cmd_data_demo)
-    chk = dsub.add_parser("check", help="validate a data set as `dhp train` would, and report")
-    chk.add_argument("config", nargs="?", help="YAML config (default: the embedded configs/demo.yaml)")
+    chk = dsub.add_parser("check", help="validate a data set as `dhp train` would, and report", parents=[common],
+                          description=f"Validate the training data as `dhp train` would.\n\n{rule}",
+                          epilog=_epilog(), formatter_class=fmt)
+    chk.add_argument("config", nargs="?", help="YAML config file, or `demo` (the embedded dhp/configs/demo.yaml)")
     chk.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.path=train.jsonl")
     chk.set_defaults(fn=cmd_data_check)
+    ex = sub.add_parser("export", help="write a Hugging Face directory from a training checkpoint", parents=[common],
+                        epilog=_epilog(), formatter_class=fmt)
+    ex.add_argument("checkpoint", help="a checkpoint directory, e.g. outputs/run/checkpoints/step_000120")
+    ex.add_argument("out", help="the Hugging Face directory to write")
+    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="cast floating-point weights (default: as trained)")
+    ex.set_defaults(fn=cmd_export)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = _debug_wanted(args)
+    _ray_startup_messages(show=debug)
     try:
         return args.fn(args)
-    except ConfigError as e:
-        print(f"dhp: config error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
         print("dhp: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - every error ends here, as one line (the traceback with --debug)
+        if debug:
+            traceback.print_exc()
+        code, text = describe_error(e)
+        print(text, file=sys.stderr, flush=True)
+        return code
 
 
 if __name__ == "__main__":

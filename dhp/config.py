@@ -16,9 +16,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key and how to fix it."""
+from dhp.errors import ConfigError, DataError, ModelError
 
 
 @dataclass
@@ -162,6 +160,10 @@ class Config:
         _check(t.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0: keep all)")
         _check(self.runtime.max_failures >= 0, "runtime.max_failures", "must be >= 0")
         _check(self.runtime.collective_timeout_s > 0, "runtime.collective_timeout_s", "must be > 0 seconds")
+        presets = tuple(getattr(family, "presets", ()) or ())
+        if presets and not self.model.hf_path and self.model.preset not in presets:
+            raise ConfigError(f"model.preset: unknown preset {self.model.preset!r} of the {family.name} family; "
+                              f"choose one of {', '.join(presets)}, or set model.hf_path to a checkpoint directory")
         for name, m in self.modules.items():
             _check_module(name, m, family.module(name) if family is not None else None, self.runtime.backend)
         if not (any(m.trainable for m in self.modules.values()) or self.merger.trainable):
@@ -214,8 +216,12 @@ def _check(ok: bool, key: str, why: str) -> None:
 # ---- loading ------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """A validated Config from a YAML file (or the defaults) and ``key=value`` overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                check_files: bool = True) -> Config:
+    """A validated Config from a YAML file (or the defaults) and ``key=value`` overrides.
+
+    With ``check_files`` the files and directories the config names are checked too (``check_files_exist``):
+    a wrong path fails here, before anything starts."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -232,7 +238,66 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-4)")
         _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
-    return build_config(raw)
+    cfg = build_config(raw)
+    if check_files:
+        check_files_exist(cfg)
+    return cfg
+
+
+HF_DIR_HINT = "a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+
+
+def check_files_exist(cfg: Config) -> None:
+    """The files and directories the config names exist and hold what dhp reads from them.
+
+    Raises DataError (data.*), ModelError (model.hf_path, data.tokenizer) or ConfigError naming the key and
+    the fix. Relative paths are relative to the current directory."""
+    d, m = cfg.data, cfg.model
+    for key in ("path", "eval_path"):
+        value = getattr(d, key)
+        if value is None:
+            continue
+        p = Path(value)
+        if p.is_dir():
+            raise DataError(f"data.{key}: {p} is a directory; give the JSON or JSONL file of the samples")
+        if not p.is_file():
+            raise DataError(f"data.{key}: {_missing(p)}; give a JSON or JSONL file of samples (README: data forms)")
+    if d.image_root is not None and not Path(d.image_root).is_dir():
+        raise DataError(f"data.image_root: {_not_dir(Path(d.image_root))}; set it to the folder the samples' image "
+                        "paths are relative to (unset: the data file's folder)")
+    if m.hf_path is not None:
+        p = Path(m.hf_path)
+        if not p.is_dir():
+            raise ModelError(f"model.hf_path: {_not_dir(p)}; give {HF_DIR_HINT}")
+        if not (p / "config.json").is_file():
+            raise ModelError(f"model.hf_path: {p} has no config.json, so it is no Hugging Face checkpoint; give the "
+                             "directory that holds config.json, *.safetensors and tokenizer.json, or unset "
+                             "model.hf_path to start from model.preset")
+        if not (p / "model.safetensors").is_file() and not (p / "model.safetensors.index.json").is_file() \
+                and not any(p.glob("*.safetensors")):
+            raise ModelError(f"model.hf_path: {p} has no *.safetensors weights; give {HF_DIR_HINT} (a .bin-only "
+                             "checkpoint must be converted to safetensors first)")
+    if d.tokenizer is not None:
+        p = Path(d.tokenizer)
+        if not (p / "tokenizer.json").is_file():
+            what = _missing(p) if not p.exists() else f"{p} has no tokenizer.json"
+            raise ModelError(f"data.tokenizer: {what}; give a directory with the model's tokenizer.json (the "
+                             "Hugging Face checkpoint directory you start from holds one)")
+    elif m.hf_path is not None and not (Path(m.hf_path) / "tokenizer.json").is_file():
+        raise ModelError(f"model.hf_path: {m.hf_path} has no tokenizer.json (it is read from there when "
+                         "data.tokenizer is unset); set data.tokenizer to a directory with the model's tokenizer.json")
+    elif d.path is not None:
+        raise ConfigError("data.tokenizer: your data set (data.path) needs the model's tokenizer; set data.tokenizer "
+                          "to a directory with tokenizer.json, or model.hf_path to a checkpoint that has one (for "
+                          "the demo data set: `dhp data demo DIR` writes its tokenizer to DIR/tokenizer)")
+
+
+def _not_dir(p: Path) -> str:
+    return f"{p} is a file, not a directory" if p.exists() else _missing(p)
+
+
+def _missing(p: Path) -> str:
+    return f"{p} does not exist" + ("" if p.is_absolute() else f" (relative to the current directory {Path.cwd()})")
 
 
 def build_config(raw: dict[str, Any]) -> Config:

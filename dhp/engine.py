@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dhp.config import Config, ParallelConfig
+from dhp.config import Config, ConfigError, ParallelConfig
 from dhp.data.batch import Sample, pack
 from dhp.models.spec import EncoderSpec, LanguageSpec, ModuleSpec, ParallelizeOptions
 from dhp.parallel.layout import Parallel
@@ -85,22 +85,70 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], lr: float, weight_de
 
 
 def build_module(spec: ModuleSpec, model_cfg: Any, seed: int, device: str | torch.device,
-                 state: dict[str, torch.Tensor] | None) -> nn.Module:
-    """The module initialised from ``seed + spec.seed_offset`` (as the whole model would be), or from ``state``."""
-    module = spec.build(model_cfg)
-    if state is None:
-        spec.init(module, seed + spec.seed_offset)
+                 state: dict[str, torch.Tensor] | None, hf_path: str | None = None,
+                 family: str | None = None) -> nn.Module:
+    """The whole module on one device, unparallelized: built on the meta device, then ``materialize``."""
+    with torch.device("meta"):
+        module = spec.build(model_cfg)
+    materialize(spec, module, model_cfg, device, seed, state, hf_path=hf_path, family=family)
+    return module
+
+
+def materialize(spec: ModuleSpec, module: nn.Module, model_cfg: Any, device: str | torch.device, seed: int,
+                state: dict[str, torch.Tensor] | None = None, par: Parallel | None = None,
+                hf_path: str | None = None, family: str | None = None) -> None:
+    """Give a meta-device module (already parallelized, or not) its storage on ``device`` and its weights.
+
+    ``to_empty`` allocates each rank's own shards only; the family's ``reset_buffers`` recomputes the
+    non-persistent buffers; then every parameter is filled shard-locally: from ``state`` (full tensors, our
+    module-local names) when given, else from the HF checkpoint at ``hf_path`` (this rank's slices only, read
+    by the worker itself), else the family's deterministic init from ``seed + spec.seed_offset`` (the whole
+    model's weights, in any layout). The layout's non-canonical parameters (``spec.layout_transforms``) are
+    made whole in the canonical order, transformed, then sliced."""
+    from dhp.parallel.materialize import CheckpointError, to_empty
+
+    to_empty(module, device)  # tied parameters stay tied
+    if spec.reset_buffers is not None:
+        spec.reset_buffers(module)
+    elif any(True for _ in module.buffers()):
+        names = [n for n, _ in module.named_buffers()]
+        raise ValueError(f"the {spec.name} module has buffers {names[:5]} but its ModuleSpec gives no "
+                         "reset_buffers: after to_empty they would hold uninitialised memory")
+    transforms = {}
+    if spec.layout_transforms is not None and par is not None:
+        transforms = spec.layout_transforms(module, par)
+    if state is not None:
+        _load(module, state, transforms)
+    elif hf_path:
+        try:
+            _load_hf(spec, module, model_cfg, hf_path, family, transforms)
+        except CheckpointError as e:
+            raise ConfigError(f"model.hf_path: {e}") from None
     else:
-        _load(module, state)
-    return module.to(device)
+        spec.init(module, seed + spec.seed_offset, **({"transforms": transforms} if transforms else {}))
 
 
-def _load(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    missing, unexpected = module.load_state_dict(state, strict=False)  # copies into float32 master weights
-    tied = {n for n, p in module.named_parameters(remove_duplicate=False)} - {n for n, _ in module.named_parameters()}
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise KeyError(f"weights do not fit the {type(module).__name__}: missing {missing}, unknown {unexpected}")
+def _load_hf(spec: ModuleSpec, module: nn.Module, model_cfg: Any, hf_path: str, family: str | None,
+             transforms: dict) -> None:
+    """This rank's slices of ``module``'s tensors, straight from the checkpoint's safetensors files."""
+    from dhp.models.registry import resolve_family
+    from dhp.parallel.materialize import SafetensorsSource, load_by_name
+
+    fam = resolve_family(family, hf_path)
+    if fam.hf_key is None:
+        raise ConfigError(f"model.hf_path: model family {fam.name} has no Hugging Face weight adapter (hf_key)")
+    prefix = spec.weight_prefix + "."
+    tied = {k[len(prefix):]: v[len(prefix):] for k, v in (fam.tied(model_cfg) if fam.tied else {}).items()
+            if k.startswith(prefix) and v.startswith(prefix)}
+    load_by_name(module, SafetensorsSource(hf_path), key_of=lambda name: fam.hf_key(prefix + name), tied=tied,
+                 transforms=transforms, what=f"{spec.name} module ({type(module).__name__})")
+
+
+def _load(module: nn.Module, state: dict[str, torch.Tensor], transforms: dict | None = None) -> None:
+    """Each rank's part of every parameter from full tensors ``state`` (module-local names, canonical layout)."""
+    from dhp.parallel.materialize import DictSource, load_by_name
+
+    load_by_name(module, DictSource(state), transforms=transforms, what=type(module).__name__, strict_unused=True)
 
 
 class ModuleEngine:
@@ -114,8 +162,11 @@ class ModuleEngine:
         self.spec, self.model_cfg, self.cfg = spec, model_cfg, cfg
         self.mcfg = cfg.module(spec.name)
         self.par = par or single_process(self.mcfg.parallel)
-        self.module = build_module(spec, model_cfg, cfg.train.seed, device, state)
-        self.device = next(self.module.parameters()).device
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        with torch.device("meta"):  # no rank ever holds the whole module: parallelized on meta, then materialized
+            self.module = spec.build(model_cfg)
         self.amp = cfg.train.dtype == "bfloat16"
         self._set_trainable()
         self.fsdp = self.mcfg.parallel.zero == 3 and self.par.distributed
@@ -130,6 +181,8 @@ class ModuleEngine:
                                   sequence_parallel=self.mcfg.parallel.sequence_parallel)
         spec.parallelize(self.module, self.par, opts)
         self._set_trainable()  # TP and FSDP2 replace parameters: the flags hold on the new ones too
+        materialize(spec, self.module, model_cfg, self.device, cfg.train.seed, state, self.par,
+                    hf_path=cfg.model.hf_path, family=cfg.model.family)
         named = list({id(p): (n, p) for n, p in self.module.named_parameters()}.values())  # tied weights once
         groups = []
         for scale in sorted({self._group_of(n)[0] for n, _ in named}):
@@ -223,6 +276,16 @@ class ModuleEngine:
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
+
+    def restore_schedule(self, step: int) -> None:
+        """The learning rates and schedule position after ``step`` optimizer steps (for a resumed run)."""
+        if self.scheduler is None:
+            return
+        f = lr_lambda(self.cfg)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * f(step)
+        self.scheduler.last_epoch = step
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights on the CPU in the family's canonical layout; collective when sharded."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from dhp.data.batch import IGNORE_INDEX, Sample, shifted_targets
 from dhp.data.tokenizer import Tokenizer
+from dhp.progress import Progress
 
 
 class EvalModel(Protocol):
@@ -54,11 +55,15 @@ def greedy_answer(model: EvalModel, sample: Sample, stop_id: int, max_new_tokens
 
 
 @torch.no_grad()
-def evaluate(model: EvalModel, dataset, tok: Tokenizer, max_samples: int, max_new_tokens: int) -> dict:
+def evaluate(model: EvalModel, dataset, tok: Tokenizer, max_samples: int, max_new_tokens: int,
+             progress: bool = True) -> dict:
+    """Exact match and token-mean loss on the first ``max_samples`` samples; with ``progress``, a bar on a
+    terminal (stderr) or a line at every tenth of the samples."""
     model.eval()
     n = min(len(dataset), max_samples)
     correct, loss_sum, n_tok = 0, 0.0, 0
     examples = []
+    bar = Progress(n, "evaluating held-out samples", after_s=0.0 if progress else float("inf"))
     for i in range(n):
         s = dataset[i]
         start, end = last_reply_span(s.labels)
@@ -71,5 +76,7 @@ def evaluate(model: EvalModel, dataset, tok: Tokenizer, max_samples: int, max_ne
         targets = shifted_targets(s.labels)
         loss_sum += float(F.cross_entropy(logits[0], targets, ignore_index=IGNORE_INDEX, reduction="sum"))
         n_tok += int((targets != IGNORE_INDEX).sum())
+        bar.update()
+    bar.close()
     model.train()
     return {"samples": n, "accuracy": correct / max(n, 1), "loss": loss_sum / max(n_tok, 1), "examples": examples}

@@ -16,6 +16,7 @@ from dhp.config import Config, ConfigError
 from dhp.data.llava import SFTDataset
 from dhp.data.sampler import BatchPlanner
 from dhp.data.tokenizer import Tokenizer
+from dhp.errors import DhpError, ModelError
 from dhp.models.registry import resolve_family
 from dhp.models.spec import FamilySpec
 
@@ -50,9 +51,11 @@ def resolve_inputs(cfg: Config) -> RunInputs:
     family = resolve_family(cfg.model.family, cfg.model.hf_path)
     try:
         model_cfg = family.model_config(cfg, Tokenizer(tokenizer_dir))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    init_state = family.load_hf_state(cfg.model.hf_path) if cfg.model.hf_path else None
+    except DhpError:
+        raise
+    except (ValueError, FileNotFoundError, KeyError) as e:  # the model config or tokenizer does not fit
+        raise ModelError(str(e).strip("'\"")) from None
+    init_state = None  # weights never pass through the driver: each worker reads its own shards (dhp.engine)
     return RunInputs(cfg, family, model_cfg, tokenizer_dir, train_path, eval_path, init_state)
 
 

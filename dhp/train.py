@@ -1,40 +1,68 @@
-"""The driver: resolve data, tokenizer and model, run the steps, log, evaluate, save.
+"""The driver: resolve data, tokenizer and model, run the steps, log, checkpoint, recover, evaluate, export.
 
 The loop is the same for every backend and every model family. A backend owns
 the module engines (in this process for ``local``, in Ray actor groups for
 ``ray``) and runs one step from a ``StepPlan``; the driver only sees sample ids,
 scalars and timings. The model family is looked up by name (``dhp.models.registry``).
+
+Durable state (``dhp/checkpoint.py``): every ``train.checkpoint_every`` steps, and at
+the end, each group writes its own DCP shards; the driver writes a JSON record and a
+completion marker. A run resumes from the newest complete checkpoint
+(``train.resume=auto``) on any layout and either backend, and survives
+``runtime.max_failures`` worker failures by restarting every group from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shlex
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
+from dhp import checkpoint
 from dhp.backends import make_backend
 from dhp.config import Config, ConfigError, dump_config
 from dhp.data.tokenizer import Tokenizer
+from dhp.errors import CheckpointError, Interrupted
 from dhp.inputs import dataset_spec, make_planner, open_dataset, resolve_inputs
+from dhp.runtime.errors import WorkerError
 
 # ---- logging -----------------------------------------------------------------------------------
 
 
 class MetricsLog:
-    """metrics.jsonl, and a progress bar on a terminal or plain lines otherwise."""
+    """metrics.jsonl, and a progress bar on a terminal or plain lines otherwise.
 
-    def __init__(self, out_dir: Path, total: int, every: int) -> None:
-        self.file = (out_dir / "metrics.jsonl").open("w")
+    One row per step: a resumed run keeps the rows up to its checkpoint and replaces the rest."""
+
+    def __init__(self, out_dir: Path, total: int, every: int, start_step: int = 0) -> None:
+        self.path = out_dir / "metrics.jsonl"
         self.every = every
+        self.file = None
+        self.truncate(start_step)
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def truncate(self, step: int) -> None:
+        """Keep the rows of steps 1..``step`` (those a checkpoint covers), drop the later ones."""
+        rows = []
+        if step and self.path.is_file():
+            rows = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= step]
+        if self.file is not None:
+            self.file.close()
+        self.path.write_text("".join(r + "\n" for r in rows))
+        self.file = self.path.open("a")
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
@@ -61,85 +89,320 @@ def memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS of the driver (kB -> GB)
 
 
+# ---- the output directory ----------------------------------------------------------------------
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "workers.json", "final", "checkpoints")
+
+
+def previous_run(out: Path) -> list[str]:
+    """What of an earlier run ``out`` holds."""
+    return [name for name in RUN_FILES if (out / name).exists()]
+
+
+def choose_start(cfg: Config, out: Path) -> tuple[Path, dict] | None:
+    """The checkpoint to resume from, or None for a fresh start; refuses to overwrite another run silently.
+
+    Decided before anything starts, so a refused run leaves nothing behind."""
+    resume = cfg.train.resume
+    if resume not in ("auto", "none"):
+        ckpt = Path(resume)
+        try:
+            return ckpt, checkpoint.read_record(ckpt)
+        except CheckpointError as e:
+            raise CheckpointError(f"train.resume: {e}") from None
+    if resume == "auto" and not cfg.output.overwrite:
+        found = checkpoint.latest(out)
+        if found is not None:
+            return found
+    earlier = previous_run(out)
+    if earlier and not cfg.output.overwrite:
+        why = "train.resume=none" if resume == "none" else "it has no complete checkpoint to resume"
+        raise ConfigError(f"output.dir: {out} holds another run ({', '.join(earlier)}) and {why}; set "
+                          "output.overwrite=true to replace it, train.resume=auto to continue it, or choose another "
+                          "output.dir")
+    return None
+
+
+def clear_previous_run(out: Path) -> None:
+    for name in RUN_FILES:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+# ---- interrupts --------------------------------------------------------------------------------
+
+
+class StopRequest:
+    """Turns the first Ctrl-C / SIGTERM into a request to stop after the current step; a second Ctrl-C stops now."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"dhp: {signal.Signals(signum).name}: stopping after this step "
+              "(Ctrl-C again to stop at once, without a checkpoint)", flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
 # ---- the run -----------------------------------------------------------------------------------
+
+
+def layouts_of(cfg: Config) -> dict[str, dict]:
+    return {m: dataclasses.asdict(c.parallel) for m, c in cfg.modules.items()}
+
+
+def model_record(model_cfg: object) -> dict:
+    d = model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else dataclasses.asdict(model_cfg)
+    return json.loads(json.dumps(d))  # tuples as lists: what the JSON record reads back
+
+
+class Run:
+    """One training run: the backend (restarted on failure), the metrics, the checkpoints."""
+
+    def __init__(self, cfg: Config, out: Path) -> None:
+        self.cfg, self.out = cfg, out
+        self.inputs = resolve_inputs(cfg)
+        self.family = self.inputs.family
+        self.start_from = choose_start(cfg, out)
+        self.spec = dataset_spec(cfg, self.inputs.tokenizer_dir, self.inputs.train_path)
+        self.dataset = open_dataset(self.spec)
+        self.spec["validated"] = self.dataset.validation  # workers reuse it instead of reading every header again
+        self.lengths = self.dataset.lengths()  # tokens per sample, for the per-step token count
+        self.planner = make_planner(self.inputs, self.dataset)  # each group balances its own cost
+        skipped = sorted({i.index for i in self.dataset.skipped})
+        self.fingerprint = checkpoint.data_fingerprint(self.inputs.train_path, len(self.dataset), skipped)
+        self.record_base = {
+            "seed": cfg.train.seed, "config": cfg.to_dict(), "family": self.family.name,
+            "model": model_record(self.inputs.model_cfg), "layouts": layouts_of(cfg),
+            "backend": cfg.runtime.backend, "data_path": str(self.inputs.train_path),
+            "data_fingerprint": self.fingerprint, "num_samples": len(self.dataset), "skipped": skipped,
+        }
+        if self.start_from is not None:
+            self._check_compatible(*self.start_from)
+        self.backend = None
+        self.save_seconds: list[float] = []
+
+    def _check_compatible(self, ckpt: Path, record: dict) -> None:
+        problems = checkpoint.compatibility(record, self.family.name, self.record_base["model"], self.fingerprint,
+                                            self.cfg.to_dict())
+        if problems:
+            raise CheckpointError(f"train.resume: {ckpt} cannot continue this run: " + "; ".join(map(str, problems))
+                              + ". Resume with the same model and data, or set train.resume=none with a new "
+                                "output.dir")
+
+    # -- backend lifecycle
+    def start_backend(self, start: tuple[Path, dict] | None) -> int:
+        """Start every group; load ``start``'s checkpoint if given. Returns the step the run goes on from."""
+        print(f"dhp: starting the {self.cfg.runtime.backend} backend "
+              f"({', '.join(f'{m} {self._layout_text(m)}' for m in self.family.module_names)})", flush=True)
+        self.backend = make_backend(self.inputs, self.dataset, self.spec)
+        step = 0
+        if start is not None:
+            ckpt, record = start
+            same = record["layouts"] == layouts_of(self.cfg) and record["backend"] == self.cfg.runtime.backend
+            self.backend.load_checkpoint(ckpt, record["step"], same_layout=same)
+            step = record["step"]
+            print(f"dhp: resumed from {ckpt} (step {step}"
+                  + ("" if same else f", written by another layout: {record['backend']} {record['layouts']}")
+                  + ")", flush=True)
+        return step
+
+    def _layout_text(self, m: str) -> str:
+        p = self.cfg.module(m).parallel
+        parts = [f"{k}{getattr(p, k)}" for k in ("dp", "sp", "tp") if getattr(p, k) > 1]
+        return "x".join(parts or ["single"]) + (f" zero{p.zero}" if p.zero else "")
+
+    def write_workers(self) -> None:
+        (self.out / "workers.json").write_text(json.dumps(self.backend.workers(), indent=2) + "\n")
+
+    # -- checkpoints
+    def save(self, step: int, epoch: int) -> Path:
+        ckpt = checkpoint.step_dir(self.out, step)
+        if ckpt.exists():
+            shutil.rmtree(ckpt)
+        t0 = time.perf_counter()
+        per_group = self.backend.save_checkpoint(ckpt)
+        checkpoint.finish(ckpt, {**self.record_base, "step": step, "epoch": epoch,
+                                 "save_seconds": per_group})
+        blocked = time.perf_counter() - t0
+        self.save_seconds.append(blocked)
+        removed = checkpoint.prune(self.out, self.cfg.train.keep_checkpoints)
+        print(f"dhp: checkpoint {ckpt} (step {step}) written in {blocked:.2f} s"
+              + (f"; removed {', '.join(p.name for p in removed)}" if removed else ""), flush=True)
+        return ckpt
+
+    # -- the loop
+    def execute(self) -> dict:
+        cfg, out = self.cfg, self.out
+        steps = cfg.train.steps
+        step = self.start_backend(self.start_from)
+        try:
+            if self.start_from is None:
+                out.mkdir(parents=True, exist_ok=True)
+                clear_previous_run(out)
+            dump_config(cfg, out / "config.yaml")
+            self.write_workers()
+            print(f"dhp: {len(self.dataset)} training samples from {self.inputs.train_path} "
+                  f"({len(self.dataset.skipped)} skipped); model {self.family.name}; output {out}", flush=True)
+            metrics = MetricsLog(out, steps, cfg.train.log_every, start_step=step)
+            rows: list[dict] = []
+            last_ckpt = None
+            failures = 0
+            start = time.perf_counter()
+            with StopRequest() as stop:
+                while step < steps and stop.signum is None:
+                    plan = self.planner.plan(step)
+                    try:
+                        row = self._step(plan, step)
+                    except WorkerError as e:
+                        e.step = step + 1
+                        if failures >= cfg.runtime.max_failures:
+                            raise
+                        failures += 1
+                        step = self._recover(e, failures, metrics)
+                        continue
+                    step += 1
+                    metrics.write(row)
+                    rows.append(row)
+                    if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < steps:
+                        last_ckpt = self.save(step, plan.epoch)
+                if stop.signum is not None:
+                    if cfg.train.checkpoint_on_exit and step > 0:
+                        last_ckpt = self.save(step, self.planner.plan(step - 1).epoch)
+                    raise Interrupted(stop.signum, self._interrupted_message(stop.signum, step, last_ckpt))
+            if step > 0:
+                last_ckpt = self.save(step, self.planner.plan(step - 1).epoch)
+            metrics.close()
+        finally:
+            self.backend.shutdown()
+        return self.finish(rows, last_ckpt, time.perf_counter() - start, failures)
+
+    def _step(self, plan, step: int) -> dict:
+        t0 = time.perf_counter()
+        stats = self.backend.run_step(plan)
+        dt = time.perf_counter() - t0
+        tokens = sum(self.lengths[i] for i in plan.sample_ids)
+        row = {
+            "step": step + 1, "epoch": plan.epoch, "loss": stats.loss, "lr": stats.lr,
+            "grad_norm": stats.grad_norm, "tokens": tokens, "supervised_tokens": stats.supervised_tokens,
+            "samples": len(plan.sample_ids), "step_time_s": dt, "tokens_per_s": tokens / dt,
+            "samples_per_s": len(plan.sample_ids) / dt,
+            "memory_gb": max(memory_gb(), stats.worker_memory_gb),
+            **{f"memory_gb_{m}": v for m, v in stats.memory_gb_by_module.items()},
+            "skipped_samples": len(self.dataset.skipped),
+            **{f"time_{k}_s": v for k, v in stats.timings.items()},
+            **{f"imbalance_{m}": v for m, v in stats.imbalance.items()},
+        }
+        if stats.router_bytes:
+            row["router_bytes"] = stats.router_bytes
+        row.update({f"comm_{k}_bytes": v for k, v in stats.comm_bytes.items()})
+        return row
+
+    def _recover(self, error: WorkerError, failures: int, metrics: MetricsLog) -> int:
+        """Tear every group down, start fresh ones, resume from the newest complete checkpoint."""
+        first_line = str(error).splitlines()[-1] if str(error).strip() else type(error).__name__
+        print(f"dhp: step {error.step}: {error.module} rank {error.rank} failed in {error.method}() ({first_line}); "
+              f"restarting every group (failure {failures} of runtime.max_failures="
+              f"{self.cfg.runtime.max_failures})", flush=True)
+        self.backend.shutdown()
+        found = checkpoint.latest(self.out)
+        if found is not None:
+            self._check_compatible(*found)
+        step = self.start_backend(found)  # no checkpoint yet: a fresh start from the same seed
+        self.write_workers()
+        metrics.truncate(step)
+        return step
+
+    def _interrupted_message(self, signum: int, step: int, ckpt: Path | None) -> str:
+        cmd = "dhp train ... (the same config and overrides)"
+        if sys.argv[0].endswith("dhp"):
+            cmd = " ".join(shlex.quote(a) for a in ["dhp", *sys.argv[1:]])
+        saved = f"checkpoint {ckpt} (step {step})" if ckpt is not None else "no checkpoint"
+        return (f"stopped by {signal.Signals(signum).name} after step {step}; {saved}. Resume with the same "
+                f"command (train.resume=auto): {cmd}")
+
+    # -- the end
+    def finish(self, rows: list[dict], ckpt: Path | None, elapsed: float, failures: int) -> dict:
+        cfg, out, family, inputs = self.cfg, self.out, self.family, self.inputs
+        warm = rows[1:] or rows
+        summary = {
+            "steps": cfg.train.steps, "time_s": elapsed, "final_loss": rows[-1]["loss"] if rows else None,
+            "tokens_per_s_after_warmup": (sum(r["tokens"] for r in warm) / sum(r["step_time_s"] for r in warm))
+            if warm else None,
+            "peak_memory_gb": {m: max((r.get(f"memory_gb_{m}", 0.0) for r in rows), default=0.0)
+                               for m in family.module_names},
+            "layout": {"backend": cfg.runtime.backend, "placement": cfg.runtime.placement, **layouts_of(cfg)},
+            "skipped_samples": len(self.dataset.skipped), "failures_survived": failures,
+            "checkpoint_save_s": self.save_seconds, "output_dir": str(out),
+        }
+        if ckpt is not None:
+            summary["last_checkpoint"] = str(ckpt)
+        final = out / "final"
+        wants_eval = cfg.train.eval_at_end and inputs.eval_path is not None
+        if (cfg.output.save_final or wants_eval) and ckpt is not None:
+            if family.hf_key is None or family.hf_config is None or family.full_model is None:
+                raise ConfigError(f"model family {family.name} has no Hugging Face export; set "
+                                  "output.save_final=false and train.eval_at_end=false")
+            print(f"dhp: exporting {ckpt.name} to {final} (Hugging Face safetensors, shard by shard)", flush=True)
+            checkpoint.export_hf(ckpt, final, family, inputs.model_cfg, inputs.tokenizer_dir)
+            summary["checkpoint"] = str(final)
+        if cfg.train.eval_at_end and inputs.eval_path is None:
+            print("dhp: no data.eval_path: evaluation skipped", flush=True)
+        if wants_eval and "checkpoint" in summary:
+            from dhp.evaluate import evaluate
+
+            model = family.full_model(inputs.model_cfg, family.load_hf_state(final))  # the driver holds it for eval
+            eval_ds = open_dataset(dataset_spec(cfg, inputs.tokenizer_dir, inputs.eval_path))
+            summary["eval"] = evaluate(model, eval_ds, Tokenizer(inputs.tokenizer_dir), cfg.data.eval_samples,
+                                       cfg.data.max_new_tokens)
+        if not cfg.output.save_final and final.exists() and "checkpoint" in summary:
+            shutil.rmtree(final)  # exported only to evaluate
+            del summary["checkpoint"]
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print_summary(summary)
+        return summary
 
 
 def train(cfg: Config) -> dict:
     """Run training as configured; returns the summary (also written to output.dir/summary.json)."""
     torch.manual_seed(cfg.train.seed)
-    inputs = resolve_inputs(cfg)
-    out = Path(cfg.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, out / "config.yaml")
-    tok = Tokenizer(inputs.tokenizer_dir)
-    spec = dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path)
-    dataset = open_dataset(spec)
-    spec["validated"] = dataset.validation  # workers reuse it instead of reading every image header again
-    lengths = dataset.lengths()  # tokens per sample, for the per-step token count
-    planner = make_planner(inputs, dataset)  # each group balances its own cost
-    print(f"dhp: {len(dataset)} training samples from {inputs.train_path} ({len(dataset.skipped)} skipped); "
-          f"model {inputs.family.name} ({', '.join(inputs.family.module_names)}); backend {cfg.runtime.backend}; "
-          f"output {out}", flush=True)
-    backend = make_backend(inputs, dataset, spec)
-    metrics = MetricsLog(out, cfg.train.steps, cfg.train.log_every)
-    start = time.perf_counter()
-    try:
-        for step in range(cfg.train.steps):
-            plan = planner.plan(step)
-            t0 = time.perf_counter()
-            stats = backend.run_step(plan)
-            dt = time.perf_counter() - t0
-            tokens = sum(lengths[i] for i in plan.sample_ids)
-            row = {
-                "step": step + 1, "epoch": plan.epoch, "loss": stats.loss, "lr": stats.lr,
-                "grad_norm": stats.grad_norm, "tokens": tokens, "supervised_tokens": stats.supervised_tokens,
-                "samples": len(plan.sample_ids), "step_time_s": dt, "tokens_per_s": tokens / dt,
-                "samples_per_s": len(plan.sample_ids) / dt,
-                "memory_gb": max(memory_gb(), stats.worker_memory_gb),
-                "skipped_samples": len(dataset.skipped),
-                **{f"time_{k}_s": v for k, v in stats.timings.items()},
-                **{f"imbalance_{m}": v for m, v in stats.imbalance.items()},
-            }
-            if stats.router_bytes:
-                row["router_bytes"] = stats.router_bytes
-            row.update({f"comm_{k}_bytes": v for k, v in stats.comm_bytes.items()})
-            metrics.write(row)
-        state = backend.state_dict()
-    finally:
-        metrics.close()
-        backend.shutdown()
-    elapsed = time.perf_counter() - start
-    summary = {"steps": cfg.train.steps, "time_s": elapsed, "final_loss": row["loss"],
-               "skipped_samples": len(dataset.skipped), "output_dir": str(out)}
-    family = inputs.family
-    wants_model = (cfg.train.eval_at_end and inputs.eval_path is not None) or cfg.output.save_final
-    if wants_model and family.full_model is None:
-        raise ConfigError(f"model family {family.name} has no whole model for evaluation and export; set "
-                          "train.eval_at_end=false and output.save_final=false")
-    model = family.full_model(inputs.model_cfg, state) if wants_model else None
-    if cfg.train.eval_at_end and inputs.eval_path is not None:
-        from dhp.evaluate import evaluate
-
-        eval_ds = open_dataset(dataset_spec(cfg, inputs.tokenizer_dir, inputs.eval_path))
-        summary["eval"] = evaluate(model, eval_ds, tok, cfg.data.eval_samples, cfg.data.max_new_tokens)
-    if cfg.output.save_final:
-        final = out / "final"
-        family.save_hf(model, final)
-        for f in inputs.tokenizer_dir.glob("tokenizer*.json"):
-            shutil.copy(f, final / f.name)
-        summary["checkpoint"] = str(final)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print_summary(summary)
-    return summary
+    return Run(cfg, Path(cfg.output.dir)).execute()
 
 
 def print_summary(summary: dict) -> None:
-    print(f"dhp: done, {summary['steps']} steps in {summary['time_s']:.1f} s, final loss {summary['final_loss']:.4f}")
+    loss = summary["final_loss"]
+    print(f"dhp: done, {summary['steps']} steps in {summary['time_s']:.1f} s"
+          + (f", final loss {loss:.4f}" if loss is not None else "")
+          + (f", {summary['tokens_per_s_after_warmup']:.0f} tokens/s after the first step"
+             if summary.get("tokens_per_s_after_warmup") else ""))
+    mem = ", ".join(f"{m} {v:.2f} GB" for m, v in summary["peak_memory_gb"].items() if v)
+    if mem:
+        print(f"dhp: peak memory per group: {mem}")
     if summary["skipped_samples"]:
         print(f"dhp: {summary['skipped_samples']} samples skipped (data.on_error=skip)")
+    if summary["failures_survived"]:
+        print(f"dhp: survived {summary['failures_survived']} worker failure(s)")
     if "eval" in summary:
         e = summary["eval"]
         print(f"dhp: eval exact-match {e['accuracy']:.3f} on {e['samples']} held-out samples "
               f"(eval loss {e['loss']:.4f})")
+    if "last_checkpoint" in summary:
+        print(f"dhp: last checkpoint {summary['last_checkpoint']}")
     if "checkpoint" in summary:
         print(f"dhp: Hugging Face checkpoint in {summary['checkpoint']}")

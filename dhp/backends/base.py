@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -26,6 +27,7 @@ class StepStats:
     worker_memory_gb: float = 0.0  # peak over the workers (Ray backend)
     comm_bytes: dict[str, int] = field(default_factory=dict)  # "{module}_{collective}" -> bytes, all ranks
     imbalance: dict[str, float] = field(default_factory=dict)  # module -> busiest replica's busy time / mean
+    memory_gb_by_module: dict[str, float] = field(default_factory=dict)  # module -> peak over its ranks
 
 
 class Backend(Protocol):
@@ -36,6 +38,9 @@ class Backend(Protocol):
     def run_step(self, plan: StepPlan) -> StepStats: ...
     def state_dict(self) -> dict[str, torch.Tensor]: ...  # whole-model, our names
     def rank_state_dicts(self) -> dict[str, list[dict[str, torch.Tensor]]]: ...  # module -> every rank's weights
+    def save_checkpoint(self, path: Path) -> dict[str, float]: ...  # every group writes its shards; seconds each
+    def load_checkpoint(self, path: Path, step: int, same_layout: bool) -> None: ...
+    def workers(self) -> list[dict]: ...  # module, rank, node, pid of every worker
     def shutdown(self) -> None: ...
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -65,8 +66,10 @@ class LocalBackend:
         lr = max(e.lr() for e in self.engines)
         for e in self.engines:
             e.step(coef)
+        memory = process_memory_gb()  # every module lives in this process
         return StepStats(loss_sum / n_sup, n_sup, grad_norm, lr, dict(t),
-                         imbalance={name: 1.0 for name in self.modules})
+                         imbalance={name: 1.0 for name in self.modules},
+                         memory_gb_by_module={name: memory for name in self.modules})
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -77,8 +80,41 @@ class LocalBackend:
     def rank_state_dicts(self) -> dict[str, list[dict[str, torch.Tensor]]]:
         return {e.name: [e.state_dict()] for e in self.engines}
 
+    # ---- checkpoints (the same files a Ray layout writes: DCP, keyed by parameter name) ----------------
+    def save_checkpoint(self, path: Path) -> dict[str, float]:
+        from dhp.engine_checkpoint import save_engine
+
+        seconds = {}
+        for e in self.engines:
+            t0 = time.perf_counter()
+            save_engine(e, path / e.name, None, 0)
+            seconds[e.name] = time.perf_counter() - t0
+        return seconds
+
+    def load_checkpoint(self, path: Path, step: int, same_layout: bool) -> None:
+        from dhp.engine_checkpoint import load_engine
+
+        for e in self.engines:
+            load_engine(e, path / e.name, None, 0, step, same_layout)
+
+    def workers(self) -> list[dict]:
+        import os
+        import socket
+
+        return [{"module": e.name, "rank": 0, "node": "local", "hostname": socket.gethostname(), "pid": os.getpid()}
+                for e in self.engines]
+
     def shutdown(self) -> None:
         pass
+
+
+def process_memory_gb() -> float:
+    """Peak memory of this process: CUDA allocations on a GPU, peak RSS otherwise."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def local_device(choice: str) -> str:

@@ -31,6 +31,7 @@ tensors. A failed producer is reported at once, by module and rank.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from dhp.backends.base import StepStats, clip_coefficient, global_norm, imbalance, no_supervised_tokens
@@ -70,6 +71,29 @@ def module_layouts(cfg: Config, family: FamilySpec, model_cfg: Any) -> list[Modu
     return out
 
 
+def check_local_budget(cfg: Config, sizes: dict[str, int]) -> None:
+    """Before a local Ray starts: does the layout fit this machine's CPUs and GPUs? (Ray would say so only
+    after starting; a run that joins a cluster, or a Ray already running here, is checked against it later.)"""
+    import os
+
+    import ray
+
+    rt = cfg.runtime
+    if rt.ray_address or os.environ.get("RAY_ADDRESS") or ray.is_initialized():
+        return
+    import torch
+
+    from dhp.runtime import plan_placement
+    from dhp.runtime.placement import check_fits
+
+    plan = plan_placement(rt.placement, sizes, rt.cpus_per_worker, rt.gpus_per_worker)
+    machine = {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
+    try:
+        check_fits(plan, machine, [machine])
+    except LayoutError as e:
+        raise ConfigError(f"runtime: {e} (this machine: {machine['CPU']:g} CPUs, {machine['GPU']:g} GPUs)") from None
+
+
 class RayBackend:
     def __init__(self, inputs: RunInputs, dataset_spec: dict[str, Any]) -> None:
         cfg, family = inputs.cfg, inputs.family
@@ -83,8 +107,10 @@ class RayBackend:
         self.ahead = rt.encoders_ahead if rt.placement == "disaggregated" else 0
         self.trains = {e.name: encoder_trains(cfg, e) for e in family.encoders}  # frozen: no backward at all
         worker = {**{e: EncoderWorker for e in self.encoders}, self.lang: LanguageWorker}
+        check_local_budget(cfg, {m: self.layout[m].size for m in self.modules})
         self.runtime = Runtime(
-            {m: GroupSpec(worker[m], self.layout[m].size, replica_size=self.layout[m].inner) for m in self.modules},
+            {m: GroupSpec(worker[m], self.layout[m].size, kwargs={"collective_timeout_s": rt.collective_timeout_s},
+                          replica_size=self.layout[m].inner) for m in self.modules},
             placement=rt.placement,
             cpus_per_worker=rt.cpus_per_worker,
             gpus_per_worker=rt.gpus_per_worker,
@@ -236,8 +262,9 @@ class RayBackend:
         memory = max(rep["memory_gb"] for per_rank in reports.values() for rep in per_rank)
         comm = {f"{name}_{kind}": sum(rep["comm"].get(kind, 0) for rep in per_rank)
                 for name, per_rank in reports.items() for kind in sorted({k for r in per_rank for k in r["comm"]})}
+        by_module = {name: max(rep["memory_gb"] for rep in per_rank) for name, per_rank in reports.items()}
         return StepStats(loss, n_sup, grad_norm, lr, timings, router_bytes=router, worker_memory_gb=memory,
-                         comm_bytes=comm, imbalance=balance)
+                         comm_bytes=comm, imbalance=balance, memory_gb_by_module=by_module)
 
     # ---- end -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -249,6 +276,20 @@ class RayBackend:
 
     def rank_state_dicts(self) -> dict[str, list[dict[str, Any]]]:
         return self._call_all("rank_state_dict")
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, path: Path) -> dict[str, float]:
+        """Every group writes its own shards under ``path/<module>``, in parallel; seconds per group."""
+        pending = {m: self.group(m).save_checkpoint.submit(str(path / m)) for m in self.modules}
+        return {m: p.get() for m, p in pending.items()}
+
+    def load_checkpoint(self, path: Path, step: int, same_layout: bool) -> None:
+        pending = [self.group(m).load_checkpoint.submit(str(path / m), step, same_layout) for m in self.modules]
+        for p in pending:
+            p.get()
+
+    def workers(self) -> list[dict[str, Any]]:
+        return [w for m in self.modules for w in self.group(m).identity()]
 
     def shutdown(self) -> None:
         self.runtime.shutdown()

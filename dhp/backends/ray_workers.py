@@ -47,7 +47,8 @@ class EngineWorker(WorkerBase):
 
     engine: ModuleEngine
 
-    def __init__(self) -> None:
+    def __init__(self, collective_timeout_s: float | None = None) -> None:
+        self.collective_timeout_s = collective_timeout_s  # every process group of this worker fails past it
         self.busy: dict[str, float] = defaultdict(float)
         self.bytes_in = 0
         self.bytes_out = 0
@@ -62,9 +63,9 @@ class EngineWorker(WorkerBase):
         nccl (a default group per module): each module makes its own groups, ranks module-local."""
         layout = next(x for x in layouts if x.module == self.module)
         if backend == "nccl":
-            groups, offset = create_mesh_groups([layout], backend, self.rank), 0
+            groups, offset = create_mesh_groups([layout], backend, self.rank, self.collective_timeout()), 0
         else:
-            groups = create_mesh_groups(layouts, backend, self.global_rank)
+            groups = create_mesh_groups(layouts, backend, self.global_rank, self.collective_timeout())
             offset = sum(x.size for x in layouts[: layouts.index(layout)])
         mesh = device_mesh(layout, offset, groups, "cuda" if backend == "nccl" else "cpu")
         self.layout = layout
@@ -119,6 +120,33 @@ class EngineWorker(WorkerBase):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights (collective when sharded: every rank must take part); the driver keeps rank 0's."""
         return self.engine.state_dict()
+
+    @dispatch(split=Split.ALL, collect=Collect.ALL)
+    def identity(self) -> dict[str, Any]:
+        """Where this rank runs: module, rank, node, pid (for workers.json: find or kill a rank's process)."""
+        import os
+        import socket
+
+        import ray
+
+        return {"module": self.module, "rank": self.rank, "node": ray.util.get_node_ip_address(),
+                "hostname": socket.gethostname(), "pid": os.getpid()}
+
+    @dispatch(split=Split.ALL, collect=Collect.RANK_ZERO)
+    def save_checkpoint(self, path: str) -> float:
+        """Write this rank's shards of the module to ``path`` (every rank of the group, collectively); seconds."""
+        from dhp.engine_checkpoint import save_engine
+
+        t0 = time.perf_counter()
+        save_engine(self.engine, path, self.pg, self.rank)
+        return time.perf_counter() - t0
+
+    @dispatch(split=Split.ALL, collect=Collect.RANK_ZERO)
+    def load_checkpoint(self, path: str, step: int, same_layout: bool) -> None:
+        """Read this rank's shards of the module from ``path`` (any layout wrote it); the schedule at ``step``."""
+        from dhp.engine_checkpoint import load_engine
+
+        load_engine(self.engine, path, self.pg, self.rank, step, same_layout)
 
     @dispatch(split=Split.ALL, collect=Collect.ALL)
     def rank_state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,4 +1,14 @@
-"""Supervised fine-tuning data in LLaVA JSON/JSONL form, checked before the first step.
+"""Supervised fine-tuning data (JSON list or JSONL, one sample each), checked before the first step.
+
+Accepted sample forms (README, "Data forms"): LLaVA (``conversations`` of
+``from``/``value`` turns with ``<image>`` tags, ``image``/``images``);
+chat ``messages`` of ``role``/``content`` with ``<image>`` tags and ``images``
+(LLaMA-Factory's ShareGPT style); and the HF chat-content form, where
+``content`` is a list of ``{"type": "text", "text": ...}`` and
+``{"type": "image"}`` parts (transformers' chat templates, TRL), an image part
+taking the next entry of ``images`` or naming its own file (``image``,
+``path``, ``url``, ``image_url``). Images are local files; relative paths are
+relative to ``data.image_root`` (default: the data file's folder).
 
 Why a pre-flight check: a broken sample found at step 10,000 of a multi-node
 run wastes the run. ``SFTDataset`` validates every sample when it is built
@@ -12,6 +22,7 @@ from image headers only (no pixel decoding), so batch plans are exact and cheap.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,19 +36,15 @@ from dhp.data.batch import Sample
 from dhp.data.mrope import rope_index
 from dhp.data.processor import PATCH_DIM, grid_thw_for_size, process_image, smart_resize
 from dhp.data.tokenizer import IMAGE_PLACEHOLDER, Tokenizer
+from dhp.errors import DataError
 from dhp.models.spec import SampleInfo
+from dhp.progress import Progress
 
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MESSAGE_ROLES = ("system", "user", "assistant")
 MAX_LISTED_ISSUES = 20
-
-
-class DataError(ValueError):
-    """A problem with the training data; the message names the file, the sample and the fix."""
-
-    def __init__(self, message: str, issues: list[DataIssue] | None = None) -> None:
-        super().__init__(message)
-        self.issues = issues or []
+LONGER_THAN = "tokens, longer than data.max_length"
+PROGRESS_AFTER_S = 2.0  # validation that takes longer than this shows its progress
 
 
 @dataclass(frozen=True)
@@ -102,11 +109,14 @@ class SFTDataset:
             issues = self.validate()
         bad = {issue.index for issue in issues}
         if issues and cfg.on_error == "raise":
-            raise DataError(_summary(self.file, issues), issues)
+            raise DataError(_summary(self.file, issues, self.image_root, cfg, len(self._records)), issues)
         self.skipped = issues
         self._good = [r.index for r in self._records if r.index not in bad]
         if not self._good:
-            raise DataError(f"{self.file}: no usable samples ({len(self._records)} read, {len(bad)} with problems)",
+            if not self._records:
+                raise DataError(f"data file {self.file} holds no samples (it is empty); give a JSON list or JSONL "
+                                "file with one sample per line (README: data forms)")
+            raise DataError(_summary(self.file, issues, self.image_root, cfg, len(self._records), skipping=True),
                             issues)
 
     @property
@@ -175,9 +185,11 @@ class SFTDataset:
     def validate(self) -> list[DataIssue]:
         """Every problem of every sample in the file (empty: all good); also records exact token counts."""
         issues: list[DataIssue] = []
-        for rec in self._records:
-            for message in self._check(rec):
-                issues.append(DataIssue(str(self.file), rec.index, message))
+        with Progress(len(self._records), f"validating {self.file}", after_s=PROGRESS_AFTER_S) as progress:
+            for rec in self._records:
+                for message in self._check(rec):
+                    issues.append(DataIssue(str(self.file), rec.index, message))
+                progress.update()
         return issues
 
     def _check(self, rec: _Record) -> list[str]:
@@ -198,7 +210,7 @@ class SFTDataset:
         special = set(self.tokenizer.special_ids())
         self._token_counts[rec.index] = {t: n for t, n in Counter(ids).items() if t in special}
         if len(ids) > self.cfg.max_length:
-            return [f"{len(ids)} tokens, longer than data.max_length={self.cfg.max_length} (samples are never "
+            return [f"{len(ids)} {LONGER_THAN}={self.cfg.max_length} (samples are never "
                     "truncated); raise data.max_length, lower data.max_pixels, or shorten the sample"]
         return []
 
@@ -220,13 +232,32 @@ class SFTDataset:
         return grid_thw_for_size(width, height, self.cfg.min_pixels, self.cfg.max_pixels), None
 
 
-def _summary(file: Path, issues: list[DataIssue]) -> str:
+def _summary(file: Path, issues: list[DataIssue], image_root: Path, cfg: DataConfig, num_records: int,
+             skipping: bool = False) -> str:
+    """The error: one line that says what is wrong and the fix (the cause shared by every problem when there is
+    one: a wrong image root, a too small data.max_length), then the first problems, one per line."""
     n_samples = len({i.index for i in issues})
+    missing = [i for i in issues if i.message.startswith("image file ")]
+    too_long = [i for i in issues if LONGER_THAN in i.message]
+    fix = "fix them, or set data.on_error=skip to drop those samples"
+    if skipping:
+        head = (f"{file}: no usable samples: data.on_error=skip dropped all {n_samples} (each has a problem, the "
+                "first ones below); fix them")
+    else:
+        head = f"{file}: {len(issues)} problem(s) in {n_samples} sample(s); {fix}"
+    if missing and len(missing) == len(issues) and 2 * n_samples >= num_records:  # most images: a wrong root
+        where = (f"data.image_root={image_root}" if cfg.image_root
+                 else f"{image_root} (data.image_root is unset: the data file's folder)")
+        head = (f"{file}: {len(missing)} image file(s) not found under {where}; set data.image_root to the folder "
+                "the image paths in the file are relative to, or fix the paths")
+    elif too_long and len(too_long) == len(issues):
+        longest = max(int(i.message.split()[0]) for i in too_long)
+        head = (f"data.max_length={cfg.max_length}: {len(too_long)} sample(s) of {file} are longer (up to {longest} "
+                f"tokens; samples are never cut); raise data.max_length to at least {longest}, lower "
+                f"data.max_pixels, or " + ("shorten them" if skipping else "set data.on_error=skip to drop them"))
     lines = [str(i) for i in issues[:MAX_LISTED_ISSUES]]
     more = len(issues) - len(lines)
     tail = [f"... and {more} more"] if more > 0 else []
-    head = (f"{file}: {len(issues)} problem(s) in {n_samples} sample(s); fix them, or set data.on_error=skip "
-            "to drop those samples")
     return "\n".join([head, *lines, *tail])
 
 
@@ -249,7 +280,10 @@ def _check_conversation(rec: _Record) -> list[str]:
 def _read_records(file: Path, image_root: Path) -> list[_Record]:
     if not file.is_file():
         raise DataError(f"data file {file} does not exist; set data.path to a LLaVA JSON or JSONL file")
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{file}: not UTF-8 text ({e}); data.path must be a JSON or JSONL file") from None
     if text.lstrip().startswith("["):
         try:
             raw = json.loads(text)
@@ -258,6 +292,14 @@ def _read_records(file: Path, image_root: Path) -> list[_Record]:
         items: list[tuple[Any, str | None]] = [(x, None) for x in raw]
     else:
         items = [_parse_line(line) for line in text.splitlines() if line.strip()]
+        if len(items) > 1 and items[0][1] is not None:  # maybe one JSON object over several lines
+            try:
+                whole = json.loads(text)
+            except json.JSONDecodeError:
+                whole = None
+            if whole is not None:
+                raise DataError(f"{file}: one JSON {type(whole).__name__} over several lines; give a JSON list of "
+                                "samples ([{...}, {...}]) or JSONL (one sample per line)")
     return [_record(k, item, err, image_root) for k, (item, err) in enumerate(items)]
 
 
@@ -274,27 +316,53 @@ def _record(index: int, item: Any, error: str | None, image_root: Path) -> _Reco
     if not isinstance(item, dict):
         return _Record(index, [], [], f"expected an object with 'conversations' or 'messages', got {item!r:.60}")
     try:
-        images = [image_root / p for p in _image_list(item)]
+        listed = _image_list(item)
         if "conversations" in item:
-            messages = _from_llava(item["conversations"])
+            messages, paths = _from_llava(item["conversations"]), listed
         elif "messages" in item:
-            messages = _from_messages(item["messages"])
+            messages, paths = _from_messages(item["messages"], listed)
         else:
-            raise ValueError("no 'conversations' or 'messages' key; use the LLaVA or the messages format")
+            raise ValueError("no 'conversations' or 'messages' key; use one of the forms in the README (data forms)")
+        system = item.get("system")
+        if system is not None:
+            if not isinstance(system, str):
+                raise ValueError(f"'system' must be a string, got {system!r:.60}")
+            if messages and messages[0]["role"] == "system":
+                raise ValueError("a 'system' key and a system message; give the system prompt once")
+            messages = [{"role": "system", "content": system}, *messages]
+        images = [_local_image(p, image_root) for p in paths]
     except ValueError as e:
         return _Record(index, [], [], str(e))
     return _Record(index, messages, images)
 
 
 def _image_list(item: dict[str, Any]) -> list[str]:
-    value = item.get("image", item.get("images"))
+    """The sample's ``image`` (LLaVA) or ``images`` (messages, LLaMA-Factory, TRL) entry: paths, in order."""
+    key = "image" if "image" in item else "images"
+    value = item.get(key)
     if value is None:
         return []
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return list(value)
-    raise ValueError(f"'image' must be a path or a list of paths, got {value!r:.60}")
+    raise ValueError(f"'{key}' must be a path or a list of paths, got {value!r:.60}")
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _local_image(path: str, image_root: Path) -> Path:
+    """A sample's image path as a local file: relative paths are relative to ``image_root``; no URLs."""
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    elif _URL.match(path):
+        raise ValueError(f"image {path!r:.80} is a URL; dhp reads local image files only: download the images "
+                         "and give their paths (relative to data.image_root)")
+    elif path.startswith("data:"):
+        raise ValueError("an inline (data: URI) image; dhp reads image files only: save it as a file and give "
+                         "its path")
+    return image_root / Path(path).expanduser()
 
 
 def _from_llava(turns: Any) -> list[dict[str, str]]:
@@ -311,14 +379,68 @@ def _from_llava(turns: Any) -> list[dict[str, str]]:
     return out
 
 
-def _from_messages(messages: Any) -> list[dict[str, str]]:
+def _from_messages(messages: Any, listed: list[str]) -> tuple[list[dict[str, str]], list[str]]:
+    """Chat messages with string content (``<image>`` tags) or HF chat content (a list of parts); their images.
+
+    Images in order of appearance: an image part naming its file (``image``, ``path``, ``url``, ``image_url``)
+    brings it; an ``<image>`` tag or a bare ``{"type": "image"}`` part takes the next one of ``images``."""
     if not isinstance(messages, list):
         raise ValueError("'messages' must be a list of {'role', 'content'} messages")
-    out = []
+    out: list[dict[str, str]] = []
+    images: list[str] = []
+    pending = iter(listed)
     for k, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("content"), str):
-            raise ValueError(f"message {k} must be an object with a string 'content'")
-        if msg.get("role") not in MESSAGE_ROLES:
-            raise ValueError(f"message {k}: unknown role {msg.get('role')!r}; use 'system', 'user' or 'assistant'")
-        out.append({"role": msg["role"], "content": msg["content"]})
-    return out
+        if not isinstance(msg, dict):
+            raise ValueError(f"message {k} must be an object with 'role' and 'content'")
+        if "role" not in msg and "from" in msg:  # ShareGPT turns under 'messages'
+            msg = {"role": LLAVA_ROLES.get(msg["from"], msg["from"]), "content": msg.get("value")}
+        role, content = msg.get("role"), msg.get("content")
+        if role not in MESSAGE_ROLES:
+            raise ValueError(f"message {k}: unknown role {role!r}; use 'system', 'user' or 'assistant'")
+        if isinstance(content, str):
+            images += [next(pending, None) for _ in range(content.count(IMAGE_PLACEHOLDER))]
+            out.append({"role": role, "content": content})
+        elif isinstance(content, list):
+            text = []
+            for j, part in enumerate(content):
+                kind, source = _part(part, k, j)
+                if kind == "text":
+                    text.append(source)
+                    continue
+                text.append(IMAGE_PLACEHOLDER)
+                images.append(source if source is not None else next(pending, None))
+            out.append({"role": role, "content": "".join(text)})
+        else:
+            raise ValueError(f"message {k}: 'content' must be a string or a list of parts "
+                             "({'type': 'text', 'text': ...}, {'type': 'image'})")
+    # a count mismatch leaves a gap or a rest: _check_conversation reports it (placeholders vs images)
+    return out, [x for x in images if x is not None] + list(pending)
+
+
+def _part(part: Any, k: int, j: int) -> tuple[str, str | None]:
+    """("text", its text) or ("image", its file or None) of one part of HF chat content."""
+    where = f"message {k} part {j}"
+    if not isinstance(part, dict):
+        raise ValueError(f"{where}: expected an object like {{'type': 'text', 'text': ...}}, got {part!r:.60}")
+    kind = part.get("type")
+    if kind == "text" or (kind is None and "text" in part):
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}: a text part needs a string 'text'")
+        if IMAGE_PLACEHOLDER in part["text"]:
+            raise ValueError(f"{where}: an {IMAGE_PLACEHOLDER} tag inside a text part; give the image as an image "
+                             "part ({'type': 'image'}) instead")
+        return "text", part["text"]
+    if kind in ("image", "image_url") or (kind is None and ("image" in part or "image_url" in part)):
+        for key in ("image", "path", "url", "image_url"):
+            value = part.get(key)
+            if isinstance(value, dict) and key == "image_url":  # OpenAI: {"image_url": {"url": ...}}
+                value = value.get("url")
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: '{key}' must be the image's file path, got {value!r:.60}")
+            return "image", value
+        return "image", None
+    if kind == "video" or "video" in part:
+        raise ValueError(f"{where}: video parts are not supported; give images")
+    raise ValueError(f"{where}: unknown part type {kind!r}; use 'text' or 'image'")

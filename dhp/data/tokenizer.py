@@ -16,6 +16,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trai
 from tokenizers import Tokenizer as HFTokenizer
 
 from dhp.data.batch import IGNORE_INDEX
+from dhp.errors import ModelError
 
 IMAGE_PLACEHOLDER = "<image>"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -52,6 +53,14 @@ QWEN2_5_VL_CHAT_TEMPLATE = (
 )
 
 
+class TokenizerError(ModelError):
+    """A tokenizer directory dhp cannot use (no tokenizer.json, not a Qwen2 tokenizer)."""
+
+
+class TokenizerFileMissing(TokenizerError, FileNotFoundError):
+    """The directory has no tokenizer.json."""
+
+
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` from a directory with ``tokenizer.json``, plus Qwen's special ids by name."""
 
@@ -68,14 +77,16 @@ class Tokenizer:
         self.path = Path(path)
         file = self.path / "tokenizer.json"
         if not file.is_file():
-            raise FileNotFoundError(f"tokenizer directory {self.path} has no tokenizer.json")
+            raise TokenizerFileMissing(f"tokenizer directory {self.path} has no tokenizer.json; set data.tokenizer to "
+                                       "a directory with the model's tokenizer.json (a Hugging Face checkpoint "
+                                       "directory holds one)")
         self._tok = HFTokenizer.from_file(str(file))
         self._tok.no_padding()
         self._tok.no_truncation()
         for attr, token in SPECIAL_TOKENS.items():
             tid = self._tok.token_to_id(token)
             if tid is None:
-                raise ValueError(
+                raise TokenizerError(
                     f"tokenizer {self.path}: special token {token} is missing from the vocabulary; "
                     "use a Qwen2/Qwen2.5-VL tokenizer or add the token"
                 )

@@ -56,13 +56,14 @@ def all_mesh_groups(layouts: list[ModuleLayout]) -> list[tuple[str, str, list[in
     return out
 
 
-def create_mesh_groups(layouts: list[ModuleLayout], backend: str, global_rank: int) -> dict[str, Any]:
+def create_mesh_groups(layouts: list[ModuleLayout], backend: str, global_rank: int,
+                       timeout: Any = None) -> dict[str, Any]:
     """On one actor: create all mesh subgroups (collectively), return this actor's group per dim."""
     import torch.distributed as dist
 
     mine: dict[str, Any] = {}
     for _, dim, ranks in all_mesh_groups(layouts):
-        group = dist.new_group(ranks=ranks, backend=backend)
+        group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
         if global_rank in ranks:
             mine[dim] = group
     return mine

@@ -19,6 +19,7 @@ import datetime
 import os
 import socket
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import ray
@@ -95,7 +96,13 @@ class WorkerBase:
 
         self._keep_gloo_local(master[0])
         store = self._store(master, rank, world_size)
-        dist.init_process_group(backend, store=store, world_size=world_size, rank=rank)
+        dist.init_process_group(backend, store=store, world_size=world_size, rank=rank,
+                                timeout=self.collective_timeout())
+
+    def collective_timeout(self) -> timedelta | None:
+        """How long a collective may wait before it fails (``collective_timeout_s`` of the worker; None: torch's)."""
+        seconds = getattr(self, "collective_timeout_s", None)
+        return None if seconds is None else timedelta(seconds=seconds)
 
     def setup_distributed(
         self,
@@ -147,7 +154,8 @@ class WorkerBase:
         else:
             self._keep_gloo_local(master[0])
         store = self._store(master, self.rank, self.n_ranks)
-        dist.init_process_group(backend, store=store, world_size=self.n_ranks, rank=self.rank)
+        dist.init_process_group(backend, store=store, world_size=self.n_ranks, rank=self.rank,
+                                timeout=self.collective_timeout())
         self.pg = dist.group.WORLD
         self._set_coordinates(dist)
 
@@ -155,7 +163,7 @@ class WorkerBase:
         if not dist.is_initialized():
             raise RuntimeError(f"{self.module} rank {self.rank}: no default process group; create the collective first")
         for module, ranks in module_ranks:  # every actor creates every subgroup, same order: new_group is collective
-            group = dist.new_group(ranks=list(ranks), backend=backend)
+            group = dist.new_group(ranks=list(ranks), backend=backend, timeout=self.collective_timeout())
             if module == self.module:
                 self.pg = group
         if self.pg is None:

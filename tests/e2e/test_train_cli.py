@@ -40,7 +40,7 @@ def test_config_error_names_the_key(capsys):
 def test_dhp_info(capsys):
     assert main(["info", "32b"]) == 0
     out = capsys.readouterr().out
-    assert "0.684 B" in out and "32.764 B" in out
+    assert "684.42 M" in out and "32.76 B" in out and "33.45 B" in out
 
 
 def test_dhp_data_check_validates_as_train_does(demo_overrides, demo_data, tmp_path, capsys):
@@ -55,7 +55,7 @@ def test_dhp_data_check_validates_as_train_does(demo_overrides, demo_data, tmp_p
     over = [o for o in demo_overrides if not o.startswith("data.path=")] + [f"data.path={bad}"]
     for o in ("data.image_root=" + str(demo_data.root),):
         over.append(o)
-    assert main(["data", "check", *over]) == 1
+    assert main(["data", "check", *over]) == 3  # a data error
     err = capsys.readouterr().err
     assert f"{bad} sample 5" in err and "no assistant turn" in err
     assert main(["data", "check", *over, "data.on_error=skip"]) == 0

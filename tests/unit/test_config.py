@@ -107,3 +107,64 @@ def test_config_round_trips_through_its_dump(tmp_path):
     dump_config(cfg, tmp_path / "c.yaml")
     again = load_config(tmp_path / "c.yaml")
     assert again.to_dict() == cfg.to_dict()
+
+
+def test_preset_is_checked_at_load_time():
+    with pytest.raises(ConfigError, match="model.preset: unknown preset 'huge'.*tiny, 3b"):
+        load_config(None, ["model.preset=huge"])
+    assert load_config(None, ["model.preset=7b"]).model.preset == "7b"
+
+
+def test_named_files_are_checked_at_load_time(tmp_path):
+    from dhp.errors import DataError, ModelError
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    data = tmp_path / "train.jsonl"
+    data.write_text("{}\n")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    cases = [
+        (["data.path=" + str(tmp_path / "none.jsonl")], DataError, "data.path: .*none.jsonl does not exist"),
+        ([f"data.path={tmp_path}"], DataError, "data.path: .* is a directory"),
+        ([f"data.path={data}", f"data.tokenizer={tok}", f"data.eval_path={tmp_path / 'e.jsonl'}"], DataError,
+         "data.eval_path: .*e.jsonl does not exist"),
+        ([f"data.path={data}", f"data.tokenizer={tok}", f"data.image_root={tmp_path / 'imgs'}"], DataError,
+         "data.image_root: .*imgs does not exist"),
+        ([f"data.path={data}"], ConfigError, "data.tokenizer: your data set"),
+        ([f"data.path={data}", f"data.tokenizer={tmp_path}"], ModelError, "data.tokenizer: .* has no tokenizer.json"),
+        ([f"model.hf_path={tmp_path / 'nope'}"], ModelError, "model.hf_path: .*nope does not exist"),
+        ([f"model.hf_path={ckpt}"], ModelError, "model.hf_path: .*ckpt has no config.json"),
+    ]
+    for overrides, cls, message in cases:
+        with pytest.raises(cls, match=message):
+            load_config(None, overrides)
+    (ckpt / "config.json").write_text("{}")
+    with pytest.raises(ModelError, match="no \\*.safetensors"):
+        load_config(None, [f"model.hf_path={ckpt}", "model.family=qwen2_5_vl"])
+    (ckpt / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelError, match="has no tokenizer.json"):
+        load_config(None, [f"model.hf_path={ckpt}", "model.family=qwen2_5_vl"])
+    cfg = load_config(None, [f"model.hf_path={ckpt}", "model.family=qwen2_5_vl", f"data.tokenizer={tok}",
+                             f"data.path={data}"])
+    assert cfg.model.hf_path == str(ckpt)
+    assert load_config(None, ["data.path=/nowhere.jsonl"], check_files=False).data.path == "/nowhere.jsonl"
+
+
+def test_one_base_config():
+    """No argument: the embedded demo. Otherwise the code defaults, then the file (or `demo`), then overrides."""
+    import dataclasses
+
+    from dhp.cli import _config, build_parser
+    from dhp.config import Config
+
+    def cfg(*argv):
+        return _config(build_parser().parse_args(["train", *argv]))
+
+    demo = load_config(default_config_path())
+    assert cfg().to_dict() == demo.to_dict()
+    defaults = Config()
+    assert cfg("train.steps=5").runtime.backend == defaults.runtime.backend
+    assert dataclasses.replace(cfg("train.steps=5").train, steps=defaults.train.steps) == defaults.train
+    assert cfg("demo", "train.steps=5").to_dict() == load_config(default_config_path(), ["train.steps=5"]).to_dict()

@@ -208,3 +208,125 @@ def test_validation_handed_over_gives_the_same_data_set_without_reading_images(d
     data.write_text("\n".join(rows[1:]) + "\n")  # the file changed under the run
     with pytest.raises(llava.DataError, match="changed since it was validated"):
         llava.SFTDataset(cfg, tok, validated=driver.validation)
+
+
+# ---- the data forms users have ----------------------------------------------------------------------------------
+
+
+def _same_samples(a: SFTDataset, b: SFTDataset) -> None:
+    assert len(a) == len(b)
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x.input_ids.tolist() == y.input_ids.tolist() and x.labels.tolist() == y.labels.tolist()
+        assert torch.equal(x.pixel_values, y.pixel_values) and torch.equal(x.image_grid_thw, y.image_grid_thw)
+        assert torch.equal(x.position_ids, y.position_ids)
+
+
+def test_chat_content_form_gives_the_llava_tokens_and_labels(good_dir: Path, tok: Tokenizer) -> None:
+    """HF chat content (transformers' templates, TRL): text and image parts, images from 'images' or the parts."""
+    llava = [_llava("a.png", "<image>\nWhat digit is this?", "3"),
+             _llava(["b.png", "c.png"], "Compare <image> and <image>: which digits?", "3 7"),
+             {"conversations": [{"from": "system", "value": "Digits only."}, {"from": "human", "value": "Say 5"},
+                                {"from": "gpt", "value": "5"}]}]
+    chat = [
+        {"messages": [{"role": "user",
+                       "content": [{"type": "image"}, {"type": "text", "text": "\nWhat digit is this?"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "3"}]}],
+         "images": ["a.png"]},
+        {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Compare "}, {"type": "image", "path": "b.png"}, {"type": "text", "text": " and "},
+            {"type": "image", "image": str(good_dir / "c.png")}, {"type": "text", "text": ": which digits?"}]},
+            {"role": "assistant", "content": "3 7"}]},
+        {"messages": [{"role": "system", "content": [{"type": "text", "text": "Digits only."}]},
+                      {"role": "user", "content": [{"type": "text", "text": "Say 5"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "5"}]}]},
+    ]
+    a = SFTDataset(CFG, tok, _write_jsonl(good_dir / "llava.jsonl", llava))
+    b = SFTDataset(CFG, tok, _write_jsonl(good_dir / "chat.jsonl", chat))
+    _same_samples(a, b)
+
+
+def test_sharegpt_forms_of_llama_factory(good_dir: Path, tok: Tokenizer) -> None:
+    """LLaMA-Factory's ShareGPT style: 'messages' with role/content and <image> tags plus 'images' (or from/value
+    turns, or 'conversations' with 'images'), a top-level 'system'; the same tokens as the LLaVA sample."""
+    llava = [{"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "<image>Which?"},
+                                {"from": "gpt", "value": "3"}], "image": "a.png"}] * 3
+    forms = [
+        {"messages": [{"role": "user", "content": "<image>Which?"}, {"role": "assistant", "content": "3"}],
+         "images": ["a.png"], "system": "Be brief."},
+        {"messages": [{"from": "human", "value": "<image>Which?"}, {"from": "gpt", "value": "3"}],
+         "images": ["a.png"], "system": "Be brief."},
+        {"conversations": [{"from": "human", "value": "<image>Which?"}, {"from": "gpt", "value": "3"}],
+         "images": ["a.png"], "system": "Be brief."},
+    ]
+    _same_samples(SFTDataset(CFG, tok, _write_jsonl(good_dir / "l.jsonl", llava)),
+                  SFTDataset(CFG, tok, _write_jsonl(good_dir / "s.jsonl", forms)))
+
+
+def test_image_part_sources(good_dir: Path, tok: Tokenizer) -> None:
+    """file:// URLs and OpenAI's image_url parts name local files; an http URL is an error that says so."""
+    def sample(part):
+        return {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "Which?"}]},
+                             {"role": "assistant", "content": "3"}]}
+
+    ok = [sample({"type": "image", "url": f"file://{good_dir / 'a.png'}"}),
+          sample({"type": "image_url", "image_url": {"url": "a.png"}}),
+          sample({"type": "image", "image": "a.png"})]
+    ds = SFTDataset(CFG, tok, _write_jsonl(good_dir / "ok.jsonl", ok))
+    assert len(ds) == 3 and ds[0].input_ids.tolist() == ds[1].input_ids.tolist() == ds[2].input_ids.tolist()
+    bad = [sample({"type": "image", "url": "https://example.com/a.png"}),
+           {"messages": [{"role": "user", "content": "<image>Which?"}, {"role": "assistant", "content": "3"}],
+            "images": ["http://example.com/a.png"]},
+           sample({"type": "video"}),
+           sample({"type": "image"}),  # no file and no 'images'
+           sample({"type": "text", "text": "<image>"})]
+    path = _write_jsonl(good_dir / "bad.jsonl", bad)
+    with pytest.raises(DataError) as e:
+        SFTDataset(CFG, tok, path)
+    by_sample = {i.index: i.message for i in e.value.issues}
+    assert "is a URL; dhp reads local image files only" in by_sample[0]
+    assert "is a URL" in by_sample[1]
+    assert "video parts are not supported" in by_sample[2]
+    assert "1 <image> placeholder but 0 images" in by_sample[3]
+    assert "tag inside a text part" in by_sample[4]
+
+
+def test_errors_that_share_one_cause_say_it_first(good_dir: Path, tok: Tokenizer) -> None:
+    items = [_llava("a.png", "<image>Q", "1"), _llava("b.png", "<image>Q", "2")]
+    path = _write_jsonl(good_dir / "t.jsonl", items)
+    (good_dir / "elsewhere").mkdir()
+    with pytest.raises(DataError) as e:
+        SFTDataset(replace(CFG, image_root=str(good_dir / "elsewhere")), tok, path)
+    head = str(e.value).splitlines()[0]
+    assert "2 image file(s) not found under data.image_root=" in head and "set data.image_root" in head
+    with pytest.raises(DataError) as e:
+        SFTDataset(replace(CFG, max_length=8), tok, path)
+    head = str(e.value).splitlines()[0]
+    assert head.startswith("data.max_length=8: 2 sample(s)") and "raise data.max_length to at least" in head
+    empty = good_dir / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="holds no samples"):
+        SFTDataset(CFG, tok, empty)
+
+
+def test_skip_leaving_nothing_lists_the_problems(good_dir: Path, tok: Tokenizer) -> None:
+    items = [{"conversations": []}, _llava("gone.png", "<image>Q", "1"), "{bad json"]
+    with pytest.raises(DataError) as e:
+        SFTDataset(replace(CFG, on_error="skip"), tok, _write_jsonl(good_dir / "t.jsonl", items))
+    lines = str(e.value).splitlines()
+    assert "no usable samples" in lines[0] and "all 3" in lines[0]
+    assert any("sample 0: empty conversation" in ln for ln in lines[1:])
+    assert any("gone.png does not exist" in ln for ln in lines[1:])
+    assert any("not valid JSON" in ln for ln in lines[1:])
+
+
+def test_long_validation_shows_progress(good_dir: Path, tok: Tokenizer, monkeypatch, capsys) -> None:
+    from dhp.data import llava
+
+    path = _write_jsonl(good_dir / "t.jsonl", [_llava("a.png", "<image>Q", "1")] * 30)
+    SFTDataset(CFG, tok, path)
+    assert capsys.readouterr().err == ""  # quick: quiet
+    monkeypatch.setattr(llava, "PROGRESS_AFTER_S", 0.0)
+    SFTDataset(CFG, tok, path)
+    err = capsys.readouterr().err
+    assert f"validating {path}: 30/30 samples (100%)" in err and "3/30" in err

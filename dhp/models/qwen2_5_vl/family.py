@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig, TextConfig, VisionConfig, preset
-from dhp.models.qwen2_5_vl.model import Qwen2_5_VL, count_parameters
+from dhp.models.qwen2_5_vl.model import Qwen2_5_VL, count_parameters, init_qwen
 from dhp.models.qwen2_5_vl.text import TextModel
-from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_weights, vision_layout
+from dhp.models.qwen2_5_vl.vision import VisionTransformer, reset_rotary_buffers, vision_layout
 from dhp.models.qwen2_5_vl.weights import (
     dhp_to_hf_key,
     load_hf_state_dict,
@@ -38,10 +38,11 @@ def build_vision(model_cfg: Qwen2_5_VLConfig) -> VisionTransformer:
     return VisionTransformer(model_cfg.vision)
 
 
-def init_module(module: nn.Module, seed: int) -> None:
-    """Normal(0, 0.02) from ``seed``: the weights ``build_model(cfg, seed)`` gives the same module."""
-    torch.manual_seed(seed)
-    init_weights(module, std=0.02)
+def init_module(module: nn.Module, seed: int, transforms: dict | None = None) -> None:
+    """Normal(0, 0.02) weights, zero biases, unit norms, each parameter from ``(seed, its name)``, on whatever
+    shard this rank holds: the weights ``build_model(cfg, seed)`` gives the same module, in every layout.
+    ``transforms``: the layout's non-canonical parameters (``layout_transforms``)."""
+    init_qwen(module, seed, transforms)
 
 
 def parallelize_vision(module: VisionTransformer, par: Any, opts: ParallelizeOptions) -> None:
@@ -180,6 +181,7 @@ VISION = EncoderSpec(
     projector_prefixes=("merger.",),
     forward_methods=("encode_rows",),
     layout_transforms=vision_layout_transforms,
+    reset_buffers=reset_rotary_buffers,
     cost=vision_cost,
     num_tokens=lambda sample, model_cfg: sample.num_image_tokens,
     token_id=lambda model_cfg: model_cfg.image_token_id,
@@ -234,6 +236,7 @@ LANGUAGE = LanguageSpec(
     sequence_parallel=True,
     check_layout=check_text_layout,
     forward_methods=("loss_sum",),
+    reset_buffers=reset_rotary_buffers,
     cost=text_cost,
 )
 

@@ -12,7 +12,8 @@ from torch import nn
 from dhp.data.mrope import rope_index
 from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from dhp.models.qwen2_5_vl.text import TextModel
-from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_weights
+from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_rule
+from dhp.parallel.materialize import init_by_name
 
 
 class Qwen2_5_VL(nn.Module):
@@ -23,12 +24,13 @@ class Qwen2_5_VL(nn.Module):
         self.language = TextModel(cfg.text, cfg.image_token_id)
 
     def reset_parameters(self, seed: int | None = None, std: float = 0.02) -> None:
-        """Each module is initialised from its own seed, so a group that builds only one module
-        (the runtime's vision or text workers) gets exactly the weights the whole model would."""
+        """Each module is initialised from its own seed (``seed + 0`` vision, ``seed + 1`` text) by parameter
+        name (``init_qwen``), so a group that builds only one module, in any layout, gets exactly the weights
+        the whole model would. ``seed=None``: a seed drawn from torch's global RNG."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
         for offset, module in enumerate((self.visual, self.language)):
-            if seed is not None:
-                torch.manual_seed(seed + offset)
-            init_weights(module, std)
+            init_qwen(module, seed + offset, std=std)
 
     def position_ids(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
         return rope_index(
@@ -74,6 +76,12 @@ def build_model(cfg: Qwen2_5_VLConfig, device: str | torch.device = "cpu", seed:
     if str(device) != "meta":
         model.reset_parameters(seed)
     return model
+
+
+def init_qwen(module: nn.Module, seed: int, transforms: dict | None = None, std: float = 0.02) -> None:
+    """Shard-local deterministic init of a (possibly parallelized, materialised) module: each parameter's values
+    depend on ``(seed, its name)`` only (``dhp.parallel.materialize.init_by_name``, Qwen's ``init_rule``)."""
+    init_by_name(module, seed, lambda name, p: init_rule(name, p, std), transforms=transforms)
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -31,10 +31,18 @@ Media = torch.Tensor | dict[int, torch.Tensor | None] | None  # image embeddings
 class MRotary(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
-        hd = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         self.section = list(cfg.mrope_section)
+
+    def _inv_freq(self) -> torch.Tensor:
+        hd = self.head_dim
+        return 1.0 / (self.theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+
+    def reset_buffers(self) -> None:
+        """Recompute ``inv_freq`` (after ``to_empty``): on the CPU, as at construction, then copied in."""
+        with torch.device("cpu"):
+            self.inv_freq.copy_(self._inv_freq())
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [3, B, L] -> cos, sin [B, L, head_dim]."""

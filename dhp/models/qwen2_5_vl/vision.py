@@ -85,9 +85,16 @@ class VisionRotary(nn.Module):
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
-        quarter = cfg.head_dim // 2
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.quarter, self.theta = cfg.head_dim // 2, cfg.rope_theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        return 1.0 / (self.theta ** (torch.arange(0, self.quarter, 2, dtype=torch.float) / self.quarter))
+
+    def reset_buffers(self) -> None:
+        """Recompute ``inv_freq`` (after ``to_empty``): on the CPU, as at construction, then copied in."""
+        with torch.device("cpu"):
+            self.inv_freq.copy_(self._inv_freq())
 
     def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, 2] -> 2 x [N, head_dim]
         freqs = (pos[..., None].float() * self.inv_freq.float()).flatten(1)  # [N, head_dim/2]: h | w
@@ -189,6 +196,26 @@ class VisionTransformer(nn.Module):
         for block in self.blocks:
             x = block(x, cu_full if block.full_attention else cu_window, rope)
         return self.merger(x)
+
+
+def init_rule(name: str, param: torch.Tensor, std: float = 0.02) -> tuple:
+    """How ``dhp.parallel.materialize.init_by_name`` initialises a Qwen2.5-VL parameter (as ``init_weights``
+    does, and as HF initialises): Normal(0, std) for linear/conv/embedding weights, zero biases, unit norm
+    weights (the only 1-D weights)."""
+    if name.endswith("bias"):
+        return ("zeros",)
+    if param.ndim == 1:
+        return ("ones",)
+    return ("normal", std)
+
+
+def reset_rotary_buffers(module: nn.Module) -> None:
+    """Recompute every rotary table (``VisionRotary``, ``MRotary``) in ``module``: non-persistent buffers that a
+    checkpoint does not hold and ``to_empty`` leaves uninitialised."""
+    for m in module.modules():
+        reset = getattr(m, "reset_buffers", None)
+        if callable(reset) and hasattr(m, "inv_freq"):
+            reset()
 
 
 def init_weights(module: nn.Module, std: float) -> None:

@@ -1,0 +1,246 @@
+"""Driver side of checkpoints: the directory layout, the run's record, which checkpoint to resume, HF export.
+
+    output.dir/
+      checkpoints/step_000120/
+        vision/  text/ ...   DCP shards, written by each module group's own ranks (dhp/engine_checkpoint.py)
+        trainer.json         step, epoch, seed, config, family, layouts, data fingerprint, skipped samples,
+                             and a manifest of every file with its size
+        COMPLETE             written last, atomically: a checkpoint without it is unfinished
+      workers.json           module, rank, node, pid of every worker (rewritten at every start)
+      final/                 Hugging Face safetensors, exported shard by shard from the last checkpoint
+
+No weight passes through the driver: the workers write, and export streams tensors
+from the DCP files into safetensors shards one shard at a time. Everything the driver
+writes is JSON; tensors are read back only through DCP or safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dhp.errors import CheckpointError
+
+COMPLETE = "COMPLETE"
+RECORD = "trainer.json"
+FORMAT = 1
+
+
+def checkpoints_dir(out: Path) -> Path:
+    return out / "checkpoints"
+
+
+def step_dir(out: Path, step: int) -> Path:
+    return checkpoints_dir(out) / f"step_{step:06d}"
+
+
+def data_fingerprint(path: Path, num_samples: int, skipped: list[int]) -> str:
+    """The training data as the plan sees it: the file's bytes, the usable samples, the skipped ones."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    h.update(json.dumps([num_samples, sorted(skipped)]).encode())
+    return h.hexdigest()
+
+
+def _manifest(ckpt: Path) -> dict[str, int]:
+    return {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*"))
+            if p.is_file() and p.name not in (RECORD, COMPLETE)}
+
+
+def finish(ckpt: Path, record: dict[str, Any]) -> None:
+    """Write the run's record with a manifest of the shards, then the completion marker, atomically."""
+    record = {"format": FORMAT, **record, "files": _manifest(ckpt)}
+    _atomic_write(ckpt / RECORD, json.dumps(record, indent=2) + "\n")
+    _atomic_write(ckpt / COMPLETE, f"{record['step']}\n")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_record(ckpt: Path) -> dict[str, Any]:
+    """The record of a complete, intact checkpoint; CheckpointError naming the file otherwise."""
+    if not (ckpt / COMPLETE).is_file():
+        raise CheckpointError(f"{ckpt}: incomplete (no {COMPLETE} marker): its save did not finish")
+    try:
+        record = json.loads((ckpt / RECORD).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{ckpt / RECORD}: unreadable ({e})") from None
+    for rel, size in record.get("files", {}).items():
+        f = ckpt / rel
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing from the checkpoint")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{f}: {f.stat().st_size} bytes, {size} when written: truncated or corrupt")
+    return record
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """Checkpoint directories with a completion marker, oldest first."""
+    root = checkpoints_dir(out)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if (p / COMPLETE).is_file())
+
+
+def latest(out: Path, log: Any = print) -> tuple[Path, dict[str, Any]] | None:
+    """The newest complete and intact checkpoint; incomplete or corrupt ones are skipped with a message."""
+    root = checkpoints_dir(out)
+    if not root.is_dir():
+        return None
+    for ckpt in sorted(root.glob("step_*"), reverse=True):
+        try:
+            return ckpt, read_record(ckpt)
+        except CheckpointError as e:
+            log(f"dhp: skipping checkpoint {ckpt.name}: {e}")
+    return None
+
+
+def prune(out: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints (and unfinished ones older than the newest complete);
+    called only after a newer checkpoint is complete. ``keep=0`` keeps everything."""
+    complete = complete_checkpoints(out)
+    if not complete:
+        return []
+    doomed = complete[:-keep] if keep else []
+    newest = complete[-1]
+    doomed += [p for p in checkpoints_dir(out).glob("step_*") if p not in complete and p.name < newest.name]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+@dataclass
+class Mismatch:
+    what: str
+    saved: Any
+    now: Any
+
+    def __str__(self) -> str:
+        return f"{self.what}: the checkpoint has {self.saved!r}, this run has {self.now!r}"
+
+
+def compatibility(record: dict[str, Any], family: str, model: dict, data: str, cfg: dict) -> list[Mismatch]:
+    """What makes a checkpoint unusable for this run: another model, other data, other batches."""
+    out = []
+    if record.get("family") != family:
+        out.append(Mismatch("model.family", record.get("family"), family))
+    if record.get("model") != model:
+        diff = sorted(k for k in set(model) | set(record.get("model", {}))
+                      if model.get(k) != record.get("model", {}).get(k))
+        out.append(Mismatch(f"model config ({', '.join(diff)})", "another model", "this one"))
+    if record.get("data_fingerprint") != data:
+        out.append(Mismatch("training data (data.path and its samples)", "other data", "this data"))
+    saved_train = record.get("config", {}).get("train", {})
+    for key in ("seed", "global_batch_size"):
+        if saved_train.get(key) != cfg["train"][key]:
+            out.append(Mismatch(f"train.{key}", saved_train.get(key), cfg["train"][key]))
+    return out
+
+
+# ---- export ----------------------------------------------------------------------------------------------
+
+
+def export_hf(ckpt: Path, out: Path, family: Any, model_cfg: Any, tokenizer_dir: Path | None = None,
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 2**30) -> Path:
+    """A Hugging Face directory from a checkpoint: config.json, sharded safetensors with their index, tokenizer.
+
+    Streams: reads the tensors of one output shard from the DCP files, writes it, frees it; the whole model
+    is never in memory. Tied weights are written once (as HF expects)."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    record = read_record(ckpt)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    tied = family.tied(model_cfg) if family.tied else {}
+    items: list[tuple[str, str, str, Any]] = []  # (module dir, our key in the module, our whole-model key, meta)
+    for spec in family.modules:
+        mdir = ckpt / spec.name
+        meta = FileSystemReader(str(mdir)).read_metadata()
+        for key, m in meta.state_dict_metadata.items():
+            if key.startswith("model.") and hasattr(m, "size"):
+                full = f"{spec.weight_prefix}.{key[len('model.'):]}"
+                if full not in tied:
+                    items.append((spec.name, key, full, m))
+    shards: list[list[tuple[str, str, str, Any]]] = [[]]
+    size = 0
+    for item in items:
+        m = item[3]
+        nbytes = m.size.numel() * (dtype or m.properties.dtype).itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    weight_map, total = {}, 0
+    out_dtype = dtype
+    for i, shard in enumerate(shards, 1):
+        tensors = _read(ckpt, shard)
+        named = {}
+        for (_, _, full, _), t in zip(shard, tensors, strict=True):
+            t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+            out_dtype = out_dtype or t.dtype
+            named[family.hf_key(full)] = t.contiguous()
+        name = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(named, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(named, name))
+        total += sum(t.numel() * t.element_size() for t in named.values())
+        del tensors, named
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = family.hf_config(model_cfg, out_dtype or torch.float32)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for f in Path(tokenizer_dir).glob("tokenizer*.json"):
+            shutil.copy(f, out / f.name)
+    (out / "dhp_export.json").write_text(json.dumps({"checkpoint": str(ckpt), "step": record["step"]}) + "\n")
+    return out
+
+
+def _read(ckpt: Path, items: list[tuple[str, str, str, Any]]) -> list[torch.Tensor]:
+    """The full tensors of ``items`` from their module directories (one DCP read per module)."""
+    import torch.distributed.checkpoint as dcp
+
+    result: dict[int, torch.Tensor] = {}
+    by_module: dict[str, list[int]] = {}
+    for k, item in enumerate(items):
+        by_module.setdefault(item[0], []).append(k)
+    for module, ks in by_module.items():
+        template = {"model": {items[k][1][len("model."):]: torch.empty(items[k][3].size,
+                                                                        dtype=items[k][3].properties.dtype)
+                              for k in ks}}
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # a one-process read
+                dcp.load(template, checkpoint_id=str(ckpt / module), no_dist=True)
+        except Exception as e:  # noqa: BLE001 - DCP raises many types for a bad file
+            raise CheckpointError(f"{ckpt / module}: cannot read ({type(e).__name__}: {e})") from None
+        for k in ks:
+            result[k] = template["model"][items[k][1][len("model."):]]
+    return [result[k] for k in range(len(items))]
+
+
+def export_checkpoint(ckpt: Path, out: Path, dtype: torch.dtype | None = None,
+                      max_shard_bytes: int = 2 * 2**30) -> Path:
+    """``dhp export``: the checkpoint's own record says which model and tokenizer; see ``export_hf``."""
+    from dhp.config import config_from_dict
+    from dhp.inputs import resolve_inputs
+
+    record = read_record(ckpt)
+    inputs = resolve_inputs(config_from_dict(record["config"]))
+    return export_hf(ckpt, out, inputs.family, inputs.model_cfg, inputs.tokenizer_dir, dtype, max_shard_bytes)
