@@ -1,0 +1,1 @@
+"""Planning: the device table, and (``dhp plan``) memory, time and communication of every layout."""
