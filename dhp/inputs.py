@@ -103,3 +103,22 @@ def make_planner(inputs: RunInputs, dataset: SFTDataset) -> BatchPlanner:
     costs = module_costs(inputs.family, inputs.model_cfg, dataset)
     return BatchPlanner(costs, {m: cfg.module(m).parallel.dp for m in costs}, cfg.train.global_batch_size,
                         cfg.train.micro_batch_size, seed=cfg.train.seed, language=inputs.family.language.name)
+
+
+@dataclass
+class Prepared:
+    """A run's inputs, its validated data set (with the spec workers open it by) and its batch plan."""
+
+    inputs: RunInputs
+    dataset: SFTDataset
+    spec: dict
+    planner: BatchPlanner
+
+
+def prepare(cfg: Config) -> Prepared:
+    """Everything before the first step that needs no worker: inputs, validated data, the plan."""
+    inputs = resolve_inputs(cfg)
+    spec = dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path)
+    dataset = open_dataset(spec)
+    spec["validated"] = dataset.validation  # workers reuse it instead of reading every header again
+    return Prepared(inputs, dataset, spec, make_planner(inputs, dataset))

@@ -31,7 +31,7 @@ from dhp.backends import make_backend
 from dhp.config import Config, ConfigError, dump_config
 from dhp.data.tokenizer import Tokenizer
 from dhp.errors import CheckpointError, Interrupted
-from dhp.inputs import dataset_spec, make_planner, open_dataset, resolve_inputs
+from dhp.inputs import dataset_spec, open_dataset, prepare
 from dhp.runtime.errors import WorkerError
 
 # ---- logging -----------------------------------------------------------------------------------
@@ -177,14 +177,12 @@ class Run:
 
     def __init__(self, cfg: Config, out: Path) -> None:
         self.cfg, self.out = cfg, out
-        self.inputs = resolve_inputs(cfg)
-        self.family = self.inputs.family
         self.start_from = choose_start(cfg, out)
-        self.spec = dataset_spec(cfg, self.inputs.tokenizer_dir, self.inputs.train_path)
-        self.dataset = open_dataset(self.spec)
-        self.spec["validated"] = self.dataset.validation  # workers reuse it instead of reading every header again
+        prepared = prepare(cfg)  # inputs, validated data, the plan (each group balancing its own cost)
+        self.inputs, self.dataset, self.spec, self.planner = (prepared.inputs, prepared.dataset, prepared.spec,
+                                                              prepared.planner)
+        self.family = self.inputs.family
         self.lengths = self.dataset.lengths()  # tokens per sample, for the per-step token count
-        self.planner = make_planner(self.inputs, self.dataset)  # each group balances its own cost
         skipped = sorted({i.index for i in self.dataset.skipped})
         self.fingerprint = checkpoint.data_fingerprint(self.inputs.train_path, len(self.dataset), skipped)
         self.record_base = {

@@ -7,7 +7,7 @@ import pytest
 
 from dhp.backends import make_backend
 from dhp.config import load_config
-from dhp.inputs import dataset_spec, make_planner, open_dataset, resolve_inputs
+from dhp.inputs import prepare
 from dhp.models.registry import register_family
 from tests.toy_audio import TOY_FAMILY, write_audio_data
 
@@ -16,12 +16,9 @@ STEPS = 3
 
 def run(overrides: list[str]):
     cfg = load_config(None, overrides)
-    inputs = resolve_inputs(cfg)
-    spec = dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path)
-    ds = open_dataset(spec)
-    spec["validated"] = ds.validation
-    planner = make_planner(inputs, ds)
-    backend = make_backend(inputs, ds, spec)
+    run_ = prepare(cfg)
+    planner = run_.planner
+    backend = make_backend(run_.inputs, run_.dataset, run_.spec)
     try:
         initial = backend.rank_state_dicts()
         stats = [backend.run_step(planner.plan(s)) for s in range(STEPS)]

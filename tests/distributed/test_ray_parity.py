@@ -14,7 +14,7 @@ import torch
 
 from dhp.backends import make_backend
 from dhp.config import load_config
-from dhp.inputs import dataset_spec, make_planner, open_dataset, resolve_inputs
+from dhp.inputs import prepare
 
 STEPS = 3
 SGD = ["train.optimizer=sgd", "train.lr=0.05", "train.momentum=0.9"]
@@ -22,12 +22,9 @@ SGD = ["train.optimizer=sgd", "train.lr=0.05", "train.momentum=0.9"]
 
 def run(overrides, backend_name):
     cfg = load_config(None, overrides + [f"runtime.backend={backend_name}", "runtime.cpus_per_worker=0.5"])
-    inputs = resolve_inputs(cfg)
-    spec = dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path)
-    ds = open_dataset(spec)
-    spec["validated"] = ds.validation
-    planner = make_planner(inputs, ds)
-    backend = make_backend(inputs, ds, spec)
+    run_ = prepare(cfg)
+    planner = run_.planner
+    backend = make_backend(run_.inputs, run_.dataset, run_.spec)
     try:
         initial = backend.state_dict() if backend_name == "local" else None
         stats = [backend.run_step(planner.plan(s)) for s in range(STEPS)]
