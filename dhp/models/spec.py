@@ -5,7 +5,7 @@ model. Each module runs in its own group of workers with its own layout, so per
 module the family gives (torchtitan's ``ModelSpec``, per module):
 
 - ``build(model_cfg)`` the module, with no weights touched (works under ``torch.device("meta")``);
-- ``init(module, seed)`` a deterministic random init;
+- ``init(module, seed)`` a deterministic random init of this rank's shards (same values in every layout);
 - ``parallelize(module, par, opts)`` TP or SP, then activation checkpointing, then FSDP, in that order;
 - ``weight_prefix`` its part of the whole-model state dict (the family's weight adapter maps HF names);
 - data hooks: ``num_tokens(sample, model_cfg)`` how many placeholder tokens the encoder fills for a sample,
@@ -70,7 +70,9 @@ class ModuleSpec:
     name: str  # the module's role: its config section and its worker group ("vision", "audio", "text")
     weight_prefix: str  # its keys in the whole-model state dict ("visual", "language")
     build: Callable[[Any], nn.Module]
-    init: Callable[[nn.Module, int], None]
+    init: Callable[..., None]  # (module, seed, transforms=...) fills the materialized (possibly sharded) module
+    # deterministically, the same values in every layout; ``transforms`` (passed only when the layout has any) are
+    # this layout's ``layout_transforms``: those parameters are built whole and canonical, then laid out
     parallelize: Parallelize
     seed_offset: int = 0  # init seed = train.seed + seed_offset (each module its own stream)
     inner: tuple[InnerKind, ...] = ()  # the inner parallelism it supports besides dp ("sp", "tp")
