@@ -34,6 +34,11 @@ class DataConfig:
     tokenizer: str | None = None  # a directory with tokenizer.json (default: hf_path, else the demo one)
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
+    video_fps: float = 2.0  # frames sampled per second of a video file (Qwen2.5-VL's rule, docs/video.md)
+    video_min_frames: int = 4  # a clip with fewer frames is an error (named), or skipped
+    video_max_frames: int = 768
+    video_max_pixels: int = 768 * 28 * 28  # per frame (min: data.min_pixels)
+    video_total_pixels: int = int(128000 * 28 * 28 * 0.9)  # per clip: each frame gets its share
     max_length: int = 2048
     on_error: Literal["raise", "skip"] = "raise"
     eval_samples: int = 200  # at most this many held-out samples are evaluated

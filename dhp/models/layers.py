@@ -10,9 +10,30 @@ batched SDPA calls and its memory grows linearly with the number of tokens.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@contextmanager
+def host_metadata() -> Iterator[None]:
+    """Compute host-side metadata (segment boundaries, window permutations: small integer tensors derived from
+    shapes, never from activations) on real CPU tensors, even inside a ``FakeTensorMode`` (the planner's
+    shape-only run, ``dhp plan``). Outside such a mode it does nothing."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        yield
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """False for a tensor with a shape and no values (a fake or meta tensor): host reads of it are skipped."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not (t.is_meta or is_fake(t))
 
 
 class RMSNorm(nn.Module):
@@ -76,13 +97,15 @@ def packed_attention(
         # FSDP2 the same gradients as their peers, or its reduce-scatters differ in size (gloo aborts, NCCL hangs).
         return q * 0 + (k.sum() + v.sum()) * 0
     out = q.new_empty(q.shape)
-    starts = torch.tensor(bounds[:-1], dtype=torch.long, device=q.device)
-    lengths = torch.tensor(bounds[1:], dtype=torch.long, device=q.device) - starts
+    # segments grouped by length on the host (the boundaries are host metadata): ascending lengths, each group's
+    # segments in sequence order; no device read, so a fake (shape-only) run of the planner goes through too
+    by_length: dict[int, list[int]] = {}
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if end > start:
+            by_length.setdefault(end - start, []).append(start)
     gqa = k.shape[1] != n_heads
-    for length in torch.unique(lengths).tolist():
-        if length == 0:
-            continue
-        seg_starts = starts[lengths == length]
+    for length in sorted(by_length):
+        seg_starts = torch.tensor(by_length[length], dtype=torch.long, device=q.device)
         idx = (seg_starts[:, None] + torch.arange(length, device=q.device)).reshape(-1)  # [n * L]
         qs, ks, vs = (t.index_select(0, idx).view(len(seg_starts), length, t.shape[1], -1).transpose(1, 2)
                       for t in (q, k, v))  # [n, H, L, D]

@@ -85,6 +85,8 @@ class ModuleSpec:
     #   layout is not the canonical one (e.g. a fused qkv whose rows a TP plan groups by rank)
     reset_buffers: Callable[[nn.Module], None] | None = None  # recompute non-persistent buffers after to_empty
     cost: Callable[[SampleInfo, Any], float] | None = None  # (info, model_cfg) -> this module's work on a sample
+    flops: Callable[[SampleInfo, Any], tuple[float, float]] | None = None  # (info, model_cfg) -> model FLOPs
+    # ^ (forward, backward) of the module on the sample, as dhp.observe.flops counts them (for MFU)
 
 
 @dataclass(frozen=True)

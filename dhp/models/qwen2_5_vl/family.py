@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from dhp.models.layers import host_metadata
 from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig, TextConfig, VisionConfig, preset
+from dhp.models.qwen2_5_vl.flops import text_sample_flops, vision_sample_flops
 from dhp.models.qwen2_5_vl.model import Qwen2_5_VL, count_parameters, init_qwen
 from dhp.models.qwen2_5_vl.text import TextModel
 from dhp.models.qwen2_5_vl.vision import VisionTransformer, reset_rotary_buffers, vision_layout
@@ -70,13 +72,15 @@ def encode_vision(module: VisionTransformer, samples: list, par: Any,
     """-> (embeddings of this rank's merged image tokens [n, D], their index among the batch's image tokens)."""
     patch_dim = module.cfg.patch_dim
     pixels = torch.cat([torch.zeros(0, patch_dim)] + [s.pixel_values for s in samples]).to(device)
-    grid = torch.cat([torch.zeros(0, 3, dtype=torch.long)] + [s.image_grid_thw for s in samples])
+    with host_metadata():  # image shapes: host metadata
+        grid = torch.cat([torch.zeros(0, 3, dtype=torch.long)] + [s.image_grid_thw for s in samples])
     if par.inner_kind != "sp":
         out = module(pixels, grid)  # [N/4, D] image order
         return out, torch.arange(out.shape[0], device=out.device)
     from dhp.models.qwen2_5_vl.sequence_parallel import shard_vision, sp_forward
 
-    shard = shard_vision(vision_layout(grid.cpu(), module.cfg), par.spec.sp)[par.inner_rank]
+    with host_metadata():
+        shard = shard_vision(vision_layout(grid.cpu(), module.cfg), par.spec.sp)[par.inner_rank]
     out = sp_forward(module, pixels, shard, par.inner_group)  # [S_local/4, D] window order
     return out, shard.merged_index.to(out.device)
 
@@ -183,6 +187,7 @@ VISION = EncoderSpec(
     layout_transforms=vision_layout_transforms,
     reset_buffers=reset_rotary_buffers,
     cost=vision_cost,
+    flops=vision_sample_flops,
     num_tokens=lambda sample, model_cfg: sample.num_image_tokens,
     token_id=lambda model_cfg: model_cfg.image_token_id,
     encode=encode_vision,
@@ -238,6 +243,7 @@ LANGUAGE = LanguageSpec(
     forward_methods=("loss_sum",),
     reset_buffers=reset_rotary_buffers,
     cost=text_cost,
+    flops=text_sample_flops,
 )
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dhp.models.layers import RMSNorm, SwiGLU, apply_rotary, packed_attention
+from dhp.models.layers import RMSNorm, SwiGLU, apply_rotary, has_values, packed_attention
 from dhp.models.qwen2_5_vl.config import TextConfig
 from dhp.parallel.tensor import vocab_parallel_cross_entropy_sum
 
@@ -117,11 +117,12 @@ class TextModel(nn.Module):
             media = {self.image_token_id: None, **media}
         for token_id, embeds in media.items():
             mask = input_ids == token_id
-            n_slots = int(mask.sum())
             n_embeds = 0 if embeds is None else embeds.shape[0]
-            if n_slots != n_embeds:
-                raise ValueError(f"{n_slots} placeholder tokens (id {token_id}) in the input but {n_embeds} "
-                                 "embeddings for them")
+            if has_values(mask):  # (a planner's fake run has shapes only: nothing to count)
+                n_slots = int(mask.sum())
+                if n_slots != n_embeds:
+                    raise ValueError(f"{n_slots} placeholder tokens (id {token_id}) in the input but {n_embeds} "
+                                     "embeddings for them")
             if n_embeds:
                 x = x.masked_scatter(mask.unsqueeze(-1), embeds.to(x.dtype))
         return x

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dhp.models.layers import RMSNorm, SwiGLU, apply_rotary, packed_attention
+from dhp.models.layers import RMSNorm, SwiGLU, apply_rotary, host_metadata, packed_attention
 from dhp.models.qwen2_5_vl.config import VisionConfig
 
 
@@ -168,9 +168,11 @@ class VisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, patch_dim], grid_thw [I, 3] -> image embeddings [N/4, out_hidden_size], image order."""
-        layout = vision_layout(grid_thw.cpu(), self.cfg)
+        with host_metadata():
+            layout = vision_layout(grid_thw.cpu(), self.cfg)
+            order = torch.argsort(layout.window_index)
         x = self.forward_windowed(pixel_values, layout)
-        return x[torch.argsort(layout.window_index).to(x.device)]
+        return x[order.to(x.device)]
 
     def forward_windowed(self, pixel_values: torch.Tensor, layout: VisionLayout) -> torch.Tensor:
         """The encoder in window order: returns merged tokens [N/4, D] in window order."""
