@@ -7,8 +7,16 @@
    on long single images: peak memory and time of forward + backward in bfloat16, with and
    without activation checkpointing — window attention must keep memory linear in patches.
 4. CUDA IPC between two processes (the collocated transport) vs a host round trip.
+5. MFU (issue 12): the language model at 3B width on 8k tokens packed from several samples, and the vision
+   encoder at its real width on 16k patches, forward + backward in bfloat16 autocast (float32 master weights,
+   as the engines train), against the device table's peak (``dhp.plan.devices``). Model FLOPs are the closed
+   forms of ``dhp.models.qwen2_5_vl.flops`` (checked against FlopCounterMode by tests/unit/test_flops.py).
+6. Issue 9: the 7B language model built on the meta device, activation checkpointing applied there, then
+   materialized on CUDA by ``dhp.engine.materialize`` (shard-local ``init_by_name``); forward and backward in
+   bfloat16 autocast on a few k tokens; peak memory.
 
     python benchmarks/gpu_check.py [--out outputs/bench/gpu_check.json] [--patches 4096,16384,65536]
+                                   [--checks text_mfu,vision_mfu,lm7b,parity,bf16,ipc,vision]
 """
 
 from __future__ import annotations
@@ -186,15 +194,155 @@ def ipc_transfer(results: dict) -> None:
     del y
 
 
+def _timed_fwd_bwd(step, iters: int = 5, warmup: int = 2) -> float:
+    """Seconds per call of ``step()`` (forward + backward), after ``warmup`` calls, CUDA synchronised."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def _peak_flops() -> tuple[float, str]:
+    from dhp.observe.flops import device_peak
+
+    name = torch.cuda.get_device_name(0)
+    peak = device_peak(name)
+    if peak is None:  # not in the table: say so, measure against the H100/H200 figure
+        return 989e12, f"{name} not in dhp.plan.devices; 989 TFLOP/s assumed"
+    return peak.flops, peak.label
+
+
+def _text_batch(segments: list[int], vocab: int, device: str):
+    tokens = sum(segments)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(vocab, 150000), (1, tokens), generator=g)  # below every special token id
+    pos = torch.cat([torch.arange(s) for s in segments]).view(1, 1, -1).expand(3, 1, -1).contiguous()
+    targets = torch.roll(ids, -1, dims=1)
+    cu = torch.tensor([0, *torch.tensor(segments).cumsum(0).tolist()])
+    return ids.to(device), pos.to(device), targets.to(device), cu
+
+
+def text_mfu(results: dict, segments: list[int]) -> None:
+    """The language model at Qwen2.5-VL-3B's width (all 36 layers, tied 151936 vocab) on one packed micro-batch."""
+    from dhp.models.qwen2_5_vl.config import preset
+    from dhp.models.qwen2_5_vl.flops import text_flops
+    from dhp.models.qwen2_5_vl.text import TextModel
+    from dhp.models.qwen2_5_vl.vision import init_weights
+
+    cfg = preset("3b")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = TextModel(cfg.text, cfg.image_token_id)
+    init_weights(model, 0.02)
+    ids, pos, targets, cu = _text_batch(segments, cfg.text.vocab_size, "cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model.loss_sum(ids, pos, targets, None, cu)
+        loss.backward()
+
+    torch.cuda.reset_peak_memory_stats()
+    seconds = _timed_fwd_bwd(step)
+    fwd, bwd = text_flops(segments, cfg.text)
+    peak, label = _peak_flops()
+    results["text_mfu_3b_width"] = {
+        "segments": segments, "tokens": sum(segments), "fwd_bwd_s": seconds, "model_tflops": (fwd + bwd) / 1e12,
+        "achieved_tflops": (fwd + bwd) / seconds / 1e12, "mfu": (fwd + bwd) / seconds / peak, "peak": label,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30, "target_mfu": 0.55}
+    print("text_mfu", results["text_mfu_3b_width"], flush=True)
+
+
+def vision_mfu(results: dict, grids: list[tuple[int, int, int]]) -> None:
+    """The vision encoder at its real width (Qwen2.5-VL-7B's: 32 blocks, hidden 1280, out 3584)."""
+    from dhp.models.qwen2_5_vl.flops import vision_flops
+
+    cfg = replace(VisionConfig(), out_hidden_size=3584)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = VisionTransformer(cfg)
+    init_weights(model, 0.02)
+    grid = torch.tensor(grids)
+    patches = sum(t * h * w for t, h, w in grids)
+    pv = torch.randn(patches, cfg.patch_dim, device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(pv, grid)
+        out.float().square().mean().backward()
+
+    torch.cuda.reset_peak_memory_stats()
+    seconds = _timed_fwd_bwd(step)
+    fwd, bwd = vision_flops(grids, cfg)
+    peak, label = _peak_flops()
+    results["vision_mfu_real_width"] = {
+        "grids": grids, "patches": patches, "fwd_bwd_s": seconds, "model_tflops": (fwd + bwd) / 1e12,
+        "achieved_tflops": (fwd + bwd) / seconds / 1e12, "mfu": (fwd + bwd) / seconds / peak, "peak": label,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30, "target_mfu": 0.40}
+    print("vision_mfu", results["vision_mfu_real_width"], flush=True)
+
+
+def lm_7b_meta(results: dict, segments: list[int]) -> None:
+    """Issue 9: 7B language model from the meta device to CUDA through the engine's own path, one fwd + bwd."""
+    from dhp.engine import materialize
+    from dhp.models.registry import get_family
+    from dhp.parallel.sharding import apply_activation_checkpointing
+
+    family = get_family("qwen2_5_vl")
+    cfg = family.preset_config("7b")
+    spec = family.language
+    with torch.device("meta"):
+        module = spec.build(cfg)
+    apply_activation_checkpointing(module.layers)  # on meta, before materialize: the engine's order
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    materialize(spec, module, cfg, "cuda", seed=0)
+    torch.cuda.synchronize()
+    materialize_s = time.perf_counter() - t0
+    weights_gb = torch.cuda.memory_allocated() / 2**30
+    ids, pos, targets, cu = _text_batch(segments, cfg.text.vocab_size, "cuda")
+    t0 = time.perf_counter()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = module.loss_sum(ids, pos, targets, None, cu)
+    loss.backward()
+    torch.cuda.synchronize()
+    grads = sum(1 for p in module.parameters() if p.grad is not None)
+    results["lm_7b_meta_materialize"] = {
+        "segments": segments, "materialize_s": materialize_s, "weights_gb": weights_gb,
+        "fwd_bwd_s": time.perf_counter() - t0, "loss_per_token": float(loss) / sum(segments),
+        "params_with_grad": grads, "params": sum(1 for _ in module.parameters()),
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "param_dtype": str(next(module.parameters()).dtype), "activation_checkpointing": True}
+    print("lm_7b", results["lm_7b_meta_materialize"], flush=True)
+    del module, loss
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="outputs/bench/gpu_check.json")
     p.add_argument("--patches", default="4096,16384,65536")
-    p.add_argument("--checks", default="parity,bf16,ipc,vision")
+    p.add_argument("--checks", default="text_mfu,vision_mfu,lm7b,parity,bf16,ipc,vision")
+    p.add_argument("--text-segments", default="2048,1536,1024,2048,1536",
+                   help="text MFU: tokens of each packed sample (default: 8192 in all)")
+    p.add_argument("--vision-grids", default="64x64,64x64,64x64,64x64",
+                   help="vision MFU: images as HxW patches (default: 4 x 4096 = 16384 patches)")
+    p.add_argument("--lm7b-segments", default="2048,1024,1024", help="7B check: tokens of each packed sample")
     args = p.parse_args()
     checks = args.checks.split(",")
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device")
     results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    for name, fn in (("parity", check_parity), ("bf16", check_bf16_training), ("ipc", ipc_transfer)):
+    text_segments = [int(x) for x in args.text_segments.split(",")]
+    grids = [(1, *map(int, g.split("x"))) for g in args.vision_grids.split(",")]
+    lm_segments = [int(x) for x in args.lm7b_segments.split(",")]
+    for name, fn in (("text_mfu", lambda r: text_mfu(r, text_segments)),
+                     ("vision_mfu", lambda r: vision_mfu(r, grids)),
+                     ("lm7b", lambda r: lm_7b_meta(r, lm_segments)),
+                     ("parity", check_parity), ("bf16", check_bf16_training), ("ipc", ipc_transfer)):
         if name not in checks:
             continue
         t0 = time.perf_counter()
@@ -202,9 +350,14 @@ def main() -> None:
             fn(results)
         except Exception as e:  # noqa: BLE001 - report every check
             results[f"{name}_error"] = repr(e)
+        torch.cuda.empty_cache()
+        results[f"{name}_seconds"] = time.perf_counter() - t0
         print(name, f"{time.perf_counter() - t0:.1f}s", flush=True)
     if "vision" in checks:
-        vision_memory(results, [int(x) for x in args.patches.split(",")])
+        try:
+            vision_memory(results, [int(x) for x in args.patches.split(",")])
+        except Exception as e:  # noqa: BLE001 - report every check
+            results["vision_error"] = repr(e)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))

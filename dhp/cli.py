@@ -224,6 +224,35 @@ def _ray_startup_messages(show: bool) -> None:
         logging.getLogger(name).setLevel(logging.NOTSET if show else level)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Train each layout in turn on the same config; bench.json and charts in output.dir."""
+    from dhp.bench import parse_layouts, run_bench
+
+    config, overrides = args.config, list(args.overrides)
+    if config is None and not overrides:
+        config = default_config_path()
+    elif config is not None and "=" in config and not Path(config).exists():
+        overrides.insert(0, config)
+        config = None
+    elif config == EMBEDDED and not Path(config).exists():
+        config = default_config_path()
+    if args.steps < 1 or args.warmup < 0:
+        raise UsageError("--steps must be >= 1 and --warmup >= 0")
+    run_bench(config, overrides, parse_layouts(args.layouts, args.workers), args.steps, args.warmup)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from dhp.observe.report import make_report
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"{run_dir}: no such directory; give a run's output.dir")
+    for path in make_report(run_dir, Path(args.out) if args.out else None):
+        print(f"dhp: wrote {path}")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """A Hugging Face directory from a training checkpoint, written shard by shard (never the whole model at once)."""
     import torch
@@ -276,7 +305,44 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="cast floating-point weights (default: as trained)")
     ex.set_defaults(fn=cmd_export)
+    b = sub.add_parser("bench", help="train several layouts in turn on the same config and compare them",
+                       parents=[common], description=f"Measure layouts side by side (Ray backend).\n\n{rule}",
+                       epilog=_epilog(), formatter_class=fmt)
+    b.add_argument("config", nargs="?", help="YAML config file, or `demo` (the embedded dhp/configs/demo.yaml)")
+    b.add_argument("overrides", nargs="*", help="dotted key=value overrides shared by every layout")
+    b.add_argument("--layouts", default="dhp,uniform_tp,fsdp",
+                   help="comma-separated: dhp, uniform_tp, fsdp, or name=key=value;key=value (default: all three)")
+    b.add_argument("--steps", type=int, default=3, help="measured steps per layout (default 3)")
+    b.add_argument("--warmup", type=int, default=1, help="steps run first and left out (default 1)")
+    b.add_argument("--workers", type=int, default=4, help="workers per layout, W/2 per group (default 4)")
+    b.set_defaults(fn=cmd_bench)
+    rp = sub.add_parser("report", help="PNG plots of a run (loss, lr, tokens/s, MFU, memory, timeline)",
+                        parents=[common], epilog=_epilog(), formatter_class=fmt)
+    rp.add_argument("run_dir", help="a run's output.dir (metrics.jsonl, and trace.json if written)")
+    rp.add_argument("--out", default=None, help="where the PNGs go (default: RUN_DIR/plots)")
+    rp.set_defaults(fn=cmd_report)
+    pl = sub.add_parser("plan", help="predict memory and speed of every layout from fake runs of the real code",
+                        parents=[common], epilog=_epilog(), formatter_class=fmt)
+    pl.add_argument("model", help="tiny | 3b | 7b | 32b | 72b | a Hugging Face directory | a config.json")
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs to lay the model out on")
+    pl.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU (default: the device's)")
+    pl.add_argument("--device", default="h100", help="h100 | h200 | a100 | l40s (default h100)")
+    pl.add_argument("--peak-tflops", type=float, default=None, help="override the device's peak bf16 TFLOP/s")
+    pl.add_argument("--vision-tokens", default="16384,65536", help="vision patches per sample, comma-separated")
+    pl.add_argument("--text-tokens", type=int, default=4096, help="text tokens per sample besides the image's")
+    pl.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
+    pl.add_argument("--strategies", default=None,
+                    help="comma-separated subset of dhp-collocated,dhp-disaggregated,uniform-tp,zero3")
+    pl.add_argument("--json", default=None, help="write the rows as JSON here")
+    pl.add_argument("--plot", default=None, help="write a PNG of per-rank peak against vision tokens here")
+    pl.set_defaults(fn=cmd_plan)
     return p
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from dhp.plan.command import run_plan
+
+    return run_plan(args)
 
 
 def main(argv: list[str] | None = None) -> int:

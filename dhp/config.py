@@ -105,6 +105,8 @@ class OutputConfig:
     dir: str = "outputs/run"
     save_final: bool = True  # write a Hugging Face checkpoint at the end
     overwrite: bool = False  # allow a new run in a directory that holds another run
+    tensorboard: bool = False  # metrics as TensorBoard scalars in output.dir/tensorboard (needs dhp[tensorboard])
+    trace_steps: int | list[int] = 0  # output.dir/trace.json (Chrome trace): N: the N steps after the first; or a list
 
 
 @dataclass
@@ -118,6 +120,7 @@ class RuntimeConfig:
     gpus_per_worker: float = 0.0  # 0: CPU training (gloo)
     max_failures: int = 0  # worker failures a run survives (restart every group, resume the newest checkpoint)
     collective_timeout_s: float = 600.0  # a collective waiting longer than this fails instead of hanging
+    peak_tflops: float | None = None  # peak FLOP/s per device for MFU (unset: the device table; CPU: measured)
 
 
 FIXED_SECTIONS = ("model", "data", "train", "merger", "output", "runtime")
@@ -165,6 +168,10 @@ class Config:
         _check(t.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0: keep all)")
         _check(self.runtime.max_failures >= 0, "runtime.max_failures", "must be >= 0")
         _check(self.runtime.collective_timeout_s > 0, "runtime.collective_timeout_s", "must be > 0 seconds")
+        trace = self.output.trace_steps
+        _check((trace >= 0) if isinstance(trace, int) else all(s >= 1 for s in trace), "output.trace_steps",
+               "must be >= 0 (the N steps after the first) or a list of step numbers >= 1")
+        _check(self.runtime.peak_tflops is None or self.runtime.peak_tflops > 0, "runtime.peak_tflops", "must be > 0")
         presets = tuple(getattr(family, "presets", ()) or ())
         if presets and not self.model.hf_path and self.model.preset not in presets:
             raise ConfigError(f"model.preset: unknown preset {self.model.preset!r} of the {family.name} family; "
@@ -380,6 +387,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value not in args:
             raise ConfigError(f"{key}: expected one of {list(args)}, got {value!r}")
         return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")

@@ -395,7 +395,11 @@ class LanguageEngine(ModuleEngine):
                 s.index: assemble(got.get(s.index, []), enc.num_tokens(s, self.model_cfg), s.index, enc.name)
                 .to(self.device).requires_grad_(self.encoder_trains[enc.name]) for s in carrying
             }
-            media[enc.token_id(self.model_cfg)] = torch.cat([leaves[enc.name][s.index] for s in carrying])
+            ids = enc.placeholder_ids(self.model_cfg)  # a sample's embeddings: the first id's, then the next's
+            chunks = [leaves[enc.name][s.index].split(list(enc.placeholder_counts(s, self.model_cfg)))
+                      for s in carrying]
+            for k, token_id in enumerate(ids):
+                media[token_id] = torch.cat([c[k] for c in chunks])
         with self.autocast():
             loss = self.module.loss_sum(
                 batch.input_ids.to(self.device),

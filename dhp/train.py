@@ -32,6 +32,8 @@ from dhp.config import Config, ConfigError, dump_config
 from dhp.data.tokenizer import Tokenizer
 from dhp.errors import CheckpointError, Interrupted
 from dhp.inputs import dataset_spec, open_dataset, prepare
+from dhp.observe.flops import Peak, mfu, run_peak, sample_flops
+from dhp.observe.trace import TraceWriter, traced_steps
 from dhp.runtime.errors import WorkerError
 
 # ---- logging -----------------------------------------------------------------------------------
@@ -42,11 +44,16 @@ class MetricsLog:
 
     One row per step: a resumed run keeps the rows up to its checkpoint and replaces the rest."""
 
-    def __init__(self, out_dir: Path, total: int, every: int, start_step: int = 0) -> None:
+    def __init__(self, out_dir: Path, total: int, every: int, start_step: int = 0, tensorboard: bool = False) -> None:
         self.path = out_dir / "metrics.jsonl"
         self.every = every
         self.file = None
         self.truncate(start_step)
+        self.scalars = None
+        if tensorboard:  # every metric also as TensorBoard scalars
+            from dhp.observe.tensorboard import Scalars
+
+            self.scalars = Scalars(out_dir / "tensorboard")
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -67,8 +74,13 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        if self.scalars is not None:
+            self.scalars.write(row)
         short = (f"loss {row['loss']:.4f} lr {row['lr']:.2e} gnorm {row['grad_norm']:.3f} "
                  f"tok/s {row['tokens_per_s']:.0f}")
+        mfu = [f"{k.removeprefix('mfu_')} {v:.1%}" for k, v in row.items() if k.startswith("mfu_")]
+        if mfu:
+            short += " mfu " + " ".join(mfu)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix_str(short)
@@ -78,6 +90,8 @@ class MetricsLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.scalars is not None:
+            self.scalars.close()
         self.file.close()
 
 
@@ -91,7 +105,8 @@ def memory_gb() -> float:
 
 # ---- the output directory ----------------------------------------------------------------------
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "workers.json", "final", "checkpoints")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "workers.json", "final", "checkpoints", "trace.json",
+             "tensorboard")
 
 
 def previous_run(out: Path) -> list[str]:
@@ -183,6 +198,7 @@ class Run:
                                                               prepared.planner)
         self.family = self.inputs.family
         self.lengths = self.dataset.lengths()  # tokens per sample, for the per-step token count
+        self._init_observability()
         skipped = sorted({i.index for i in self.dataset.skipped})
         self.fingerprint = checkpoint.data_fingerprint(self.inputs.train_path, len(self.dataset), skipped)
         self.record_base = {
@@ -258,7 +274,13 @@ class Run:
             self.write_workers()
             print(f"dhp: {len(self.dataset)} training samples from {self.inputs.train_path} "
                   f"({len(self.dataset.skipped)} skipped); model {self.family.name}; output {out}", flush=True)
-            metrics = MetricsLog(out, steps, cfg.train.log_every, start_step=step)
+            metrics = MetricsLog(out, steps, cfg.train.log_every, start_step=step, tensorboard=cfg.output.tensorboard)
+            steps_traced = traced_steps(cfg.output.trace_steps)
+            self.trace = TraceWriter(out / "trace.json", list(self.family.module_names), steps_traced) \
+                if steps_traced else None
+            if step >= steps:
+                print(f"dhp: {out} is already at step {step} of train.steps={steps}: nothing to train (raise "
+                      "train.steps to continue, or set output.overwrite=true to start again)", flush=True)
             rows: list[dict] = []
             last_ckpt = None
             failures = 0
@@ -284,12 +306,49 @@ class Run:
                     if cfg.train.checkpoint_on_exit and step > 0:
                         last_ckpt = self.save(step, self.planner.plan(step - 1).epoch)
                     raise Interrupted(stop.signum, self._interrupted_message(stop.signum, step, last_ckpt))
-            if step > 0:
+            if self.start_from is not None and step == self.start_from[1]["step"] and not rows:
+                last_ckpt = self.start_from[0]  # nothing new since the checkpoint we started from
+            elif step > 0:
                 last_ckpt = self.save(step, self.planner.plan(step - 1).epoch)
             metrics.close()
         finally:
             self.backend.shutdown()
         return self.finish(rows, last_ckpt, time.perf_counter() - start, failures)
+
+    # -- observability: model FLOPs per sample, the peak MFU is measured against, the timeline
+    def _init_observability(self) -> None:
+        from dhp.engine import encoder_trains
+
+        if self.cfg.output.tensorboard:
+            from dhp.observe.tensorboard import require_tensorboard
+
+            require_tensorboard()  # before anything starts
+        trains = {e.name: encoder_trains(self.cfg, e) for e in self.family.encoders}
+        infos = [self.dataset.info(i) for i in range(len(self.dataset))]
+        self.sample_flops = sample_flops(self.family, self.inputs.model_cfg, infos, trains)
+        self.peaks: dict[str, Peak | None] | None = None  # per module, known after the first step
+        self.trace: TraceWriter | None = None
+
+    def _mfu(self, plan, stats, dt: float) -> dict[str, float]:
+        if not self.sample_flops or not stats.devices:
+            return {}
+        if self.peaks is None:
+            self.peaks = {}
+            for m, dev in stats.devices.items():
+                gpu = dev.get("device_name", "cpu") != "cpu"
+                self.peaks[m] = run_peak(gpu, dev.get("device_name"), self.cfg.runtime.peak_tflops,
+                                         int(dev.get("threads", 1)))
+            labels = sorted({p.label for p in self.peaks.values() if p is not None})
+            if labels:
+                print(f"dhp: MFU (mfu_<module>) against the {'; '.join(labels)}", flush=True)
+        out = {}
+        for m, per_sample in self.sample_flops.items():
+            flops = sum(per_sample[i] for i in plan.sample_ids)
+            out[f"model_flops_{m}"] = flops
+            peak = self.peaks.get(m)
+            if peak is not None and m in stats.devices:
+                out[f"mfu_{m}"] = mfu(flops, dt, int(stats.devices[m].get("ranks", 1)), peak.flops)
+        return out
 
     def _step(self, plan, step: int) -> dict:
         t0 = time.perf_counter()
@@ -310,6 +369,10 @@ class Run:
         if stats.router_bytes:
             row["router_bytes"] = stats.router_bytes
         row.update({f"comm_{k}_bytes": v for k, v in stats.comm_bytes.items()})
+        row.update({f"busy_{m}": v for m, v in stats.busy_fraction.items()})
+        row.update(self._mfu(plan, stats, dt))
+        if self.trace is not None and self.trace.wants(step + 1):
+            self.trace.add_step(step + 1, stats.spans)
         return row
 
     def _recover(self, error: WorkerError, failures: int, metrics: MetricsLog) -> int:

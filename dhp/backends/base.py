@@ -28,6 +28,9 @@ class StepStats:
     comm_bytes: dict[str, int] = field(default_factory=dict)  # "{module}_{collective}" -> bytes, all ranks
     imbalance: dict[str, float] = field(default_factory=dict)  # module -> busiest replica's busy time / mean
     memory_gb_by_module: dict[str, float] = field(default_factory=dict)  # module -> peak over its ranks
+    spans: list[dict] = field(default_factory=list)  # the step's timeline: module, rank, phase, round, start, end
+    busy_fraction: dict[str, float] = field(default_factory=dict)  # module -> mean over ranks of busy / step time
+    devices: dict[str, dict] = field(default_factory=dict)  # module -> {"device_name", "threads"} of its rank 0
 
 
 class Backend(Protocol):

@@ -37,6 +37,14 @@ class LocalBackend:
 
     def run_step(self, plan: StepPlan) -> StepStats:
         t: dict[str, float] = defaultdict(float)
+        spans: list[dict] = []
+        wall_start, t_start = time.time(), time.perf_counter()
+
+        def timed(module: str, phase: str, t0: float, key: int | None) -> None:
+            dur = time.perf_counter() - t0
+            t[f"{module}_{phase}"] += dur
+            end = time.time()
+            spans.append({"module": module, "rank": 0, "phase": phase, "round": key, "start": end - dur, "end": end})
         loss_sum, n_sup = 0.0, 0
         lang = self.language.name
         for k, rnd in enumerate(plan.rounds):
@@ -46,30 +54,43 @@ class LocalBackend:
                 t0 = time.perf_counter()
                 got = enc.forward(k, list(rnd.replicas(enc.name)[0]))
                 pieces[enc.name] = {i: [p] for i, p in got.items()}
-                t[f"{enc.name}_forward"] += time.perf_counter() - t0
+                timed(enc.name, "forward", t0, k)
             t0 = time.perf_counter()
             loss, n, grads = self.language.forward_backward(ids, pieces)
-            t[f"{lang}_forward_backward"] += time.perf_counter() - t0
+            timed(lang, "forward_backward", t0, k)
             for enc in self.encoders:
                 if enc.needs_backward and enc.name in grads:
                     t0 = time.perf_counter()
                     enc.backward(k, grads[enc.name])
-                    t[f"{enc.name}_backward"] += time.perf_counter() - t0
+                    timed(enc.name, "backward", t0, k)
             loss_sum += loss
             n_sup += n
         if n_sup == 0:
             raise no_supervised_tokens()
+        norms = []
         for e in self.engines:
+            t0 = time.perf_counter()
             e.finish_gradients(1.0 / n_sup)
-        grad_norm = global_norm([e.grad_norm_sq() for e in self.engines])
+            norms.append(e.grad_norm_sq())
+            timed(e.name, "reduce", t0, None)
+        grad_norm = global_norm(norms)
         coef = clip_coefficient(grad_norm, self.cfg.train.clip_grad_norm)
         lr = max(e.lr() for e in self.engines)
         for e in self.engines:
+            t0 = time.perf_counter()
             e.step(coef)
+            timed(e.name, "optimizer", t0, None)
         memory = process_memory_gb()  # every module lives in this process
+        wall = time.perf_counter() - t_start
+        spans.append({"module": "driver", "rank": 0, "phase": "step", "round": None, "start": wall_start,
+                      "end": time.time()})
+        busy = {name: sum(v for k, v in t.items() if k.startswith(f"{name}_")) / wall for name in self.modules}
+        device = {"device_name": torch.cuda.get_device_name() if self.language.device.type == "cuda" else "cpu",
+                  "threads": torch.get_num_threads(), "ranks": 1}
         return StepStats(loss_sum / n_sup, n_sup, grad_norm, lr, dict(t),
                          imbalance={name: 1.0 for name in self.modules},
-                         memory_gb_by_module={name: memory for name in self.modules})
+                         memory_gb_by_module={name: memory for name in self.modules}, spans=spans,
+                         busy_fraction=busy, devices={name: device for name in self.modules})
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {}

@@ -147,7 +147,7 @@ class RayBackend:
 
     # ---- one step ------------------------------------------------------------------------------
     def run_step(self, plan: StepPlan) -> StepStats:
-        t_start = time.perf_counter()
+        t_start, wall_start = time.perf_counter(), time.time()
         rounds = plan.rounds
         forwards: list[dict[str, Any]] = []  # [round] -> encoder -> Pending forward
         pieces: list[list[list[Emitted]]] = []  # [round][text replica] -> the pieces it needs, from every encoder
@@ -178,7 +178,10 @@ class RayBackend:
         grad_norm = global_norm(list(norm_sq.values()))
         coef = clip_coefficient(grad_norm, self.cfg.train.clip_grad_norm)
         reports = self._call_all("step", coef)
-        return self._stats(loss_sum / n_sup, n_sup, grad_norm, reports, time.perf_counter() - t_start)
+        stats = self._stats(loss_sum / n_sup, n_sup, grad_norm, reports, time.perf_counter() - t_start)
+        stats.spans.append({"module": "driver", "rank": 0, "phase": "step", "round": None, "start": wall_start,
+                            "end": time.time()})
+        return stats
 
     def _pieces_for(self, k: int, rnd: Round) -> list[list[Emitted]]:
         """[text replica r] -> the pieces it needs: one per encoder rank whose replica holds some of its samples."""
@@ -263,8 +266,17 @@ class RayBackend:
         comm = {f"{name}_{kind}": sum(rep["comm"].get(kind, 0) for rep in per_rank)
                 for name, per_rank in reports.items() for kind in sorted({k for r in per_rank for k in r["comm"]})}
         by_module = {name: max(rep["memory_gb"] for rep in per_rank) for name, per_rank in reports.items()}
+        # the timeline: every rank's spans (wall clock), and each group's busy fraction of the step
+        spans = [{"module": name, "rank": rank, **span} for name, per_rank in reports.items()
+                 for rank, rep in enumerate(per_rank) for span in rep.get("spans", ())]
+        busy_fraction = {name: sum(sum(rep["busy"].values()) for rep in per_rank) / len(per_rank) / wall
+                         if wall > 0 else 0.0 for name, per_rank in reports.items()}
+        devices = {name: {"device_name": per_rank[0].get("device_name", "cpu"),
+                          "threads": per_rank[0].get("threads", 1), "ranks": len(per_rank)}
+                   for name, per_rank in reports.items()}
         return StepStats(loss, n_sup, grad_norm, lr, timings, router_bytes=router, worker_memory_gb=memory,
-                         comm_bytes=comm, imbalance=balance, memory_gb_by_module=by_module)
+                         comm_bytes=comm, imbalance=balance, memory_gb_by_module=by_module, spans=spans,
+                         busy_fraction=busy_fraction, devices=devices)
 
     # ---- end -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

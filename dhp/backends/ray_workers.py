@@ -54,6 +54,7 @@ class EngineWorker(WorkerBase):
         self.bytes_out = 0
         self.par: Parallel | None = None
         self.comm = CommCounter()  # bytes this rank hands to collectives, per kind, in the current step
+        self.spans: list[dict[str, Any]] = []  # this step's timeline: phase, round, wall-clock start and end
 
     @dispatch(split=Split.ALL, collect=Collect.ALL)
     def setup_parallel(self, layouts: list[ModuleLayout], backend: str, spec: Any) -> dict[str, int]:
@@ -86,8 +87,14 @@ class EngineWorker(WorkerBase):
 
         return open_dataset(spec)
 
-    def _timed(self, phase: str, t0: float) -> None:
-        self.busy[phase] += time.perf_counter() - t0
+    def _timed(self, phase: str, t0: float, key: Any = None, busy: bool = True) -> None:
+        """Count ``phase``'s time since ``t0`` (perf_counter) as busy, and record its span for the timeline with
+        wall-clock times (``time.time()``: one clock for every worker of a machine, so spans line up)."""
+        dur = time.perf_counter() - t0
+        if busy:
+            self.busy[phase] += dur
+        end = time.time()
+        self.spans.append({"phase": phase, "round": key, "start": end - dur, "end": end})
 
     @dispatch(split=Split.ALL, collect=Collect.RANK_ZERO)
     def finish_gradients(self, scale: float) -> float:
@@ -110,7 +117,9 @@ class EngineWorker(WorkerBase):
             self.engine.step(clip_coef)
         self._timed("optimizer", t0)
         out = {"busy": dict(self.busy), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-               "lr": lr, "memory_gb": _peak_memory_gb(), "comm": self.comm.snapshot()}
+               "lr": lr, "memory_gb": _peak_memory_gb(), "comm": self.comm.snapshot(), "spans": self.spans,
+               "device_name": _device_name(), "threads": torch.get_num_threads()}
+        self.spans = []
         self.busy.clear()
         self.bytes_in = self.bytes_out = 0
         self.comm.reset()
@@ -172,17 +181,19 @@ class EncoderWorker(EngineWorker):
             out = self.engine.forward(key, list(sample_ids))
         if out:  # kept until the last text replica's emit; a rank with nothing to hand out keeps nothing
             self.outputs[key] = out
-        self._timed("forward", t0)
+        self._timed("forward", t0, key)
         return len(out)
 
     @produces_tensors
     def emit(self, key: Any, sample_ids: list[int], last: bool) -> dict[int, Piece]:
         """This rank's pieces of ``sample_ids`` (a subset of round ``key``), for one text replica."""
+        t0 = time.perf_counter()
         held = self.outputs.get(key, {})  # empty: this rank's slice holds none of these samples' tokens
         out = {i: held[i] for i in sample_ids if i in held}
         if last:
             self.outputs.pop(key, None)
         self.bytes_out += _nbytes(out)
+        self._timed("emit", t0, key, busy=False)
         return out
 
     def backward(self, key: Any, *grads: dict[int, torch.Tensor]) -> None:
@@ -193,7 +204,7 @@ class EncoderWorker(EngineWorker):
         self.bytes_in += _nbytes(received)
         with self.comm:
             self.engine.backward(key, received)
-        self._timed("backward", t0)
+        self._timed("backward", t0, key)
 
 
 class LanguageWorker(EngineWorker):
@@ -224,12 +235,13 @@ class LanguageWorker(EngineWorker):
         if self.par is None or self.par.inner_rank == 0:  # the replica head hands gradients back
             for encoder, per_sample in grads.items():
                 self.grads[(key, encoder)] = per_sample
-        self._timed("forward_backward", t0)
+        self._timed("forward_backward", t0, key)
         return loss, n
 
     @produces_tensors
     def emit_grads(self, key: Any, encoder: str, sample_ids: list[int], last: bool) -> dict[int, torch.Tensor]:
         """d(loss)/d(embeddings) of ``sample_ids``, for the ``encoder`` replica that produced them."""
+        t0 = time.perf_counter()
         if (key, encoder) not in self.grads:
             raise RuntimeError(f"{self.module} rank {self.rank}: no {encoder} gradients for micro-batch {key}: "
                                "its step failed")
@@ -238,7 +250,13 @@ class LanguageWorker(EngineWorker):
         if last:
             del self.grads[(key, encoder)]
         self.bytes_out += _nbytes(out)
+        self._timed("emit", t0, key, busy=False)
         return out
+
+
+def _device_name() -> str:
+    """The accelerator's name (for its peak FLOP/s in the device table), or "cpu"."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def _peak_memory_gb() -> float:

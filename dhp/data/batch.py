@@ -26,6 +26,9 @@ class Sample:
     position_ids: torch.Tensor  # [3, L] long (M-RoPE)
     pixel_values: torch.Tensor  # [N, 1176] float; N = 0 for text-only, or when loaded with pixels=False
     image_grid_thw: torch.Tensor  # [I, 3] long, I may be 0
+    pixel_values_videos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, PATCH_DIM))  # [Nv, 1176]
+    video_grid_thw: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 3, dtype=torch.long))  # [V, 3]
+    second_per_grid_ts: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [V] float32 seconds
 
     @property
     def num_tokens(self) -> int:
@@ -40,6 +43,16 @@ class Sample:
     def num_image_tokens(self) -> int:
         """Merged vision tokens (``<|image_pad|>`` slots) = patches / 4."""
         return self.num_patches // (MERGE_SIZE * MERGE_SIZE)
+
+    @property
+    def num_video_patches(self) -> int:
+        """Patches of all video clips (from the grids)."""
+        return int(self.video_grid_thw.prod(-1).sum()) if self.video_grid_thw.shape[0] else 0
+
+    @property
+    def num_video_tokens(self) -> int:
+        """Merged video tokens (``<|video_pad|>`` slots)."""
+        return self.num_video_patches // (MERGE_SIZE * MERGE_SIZE)
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -58,6 +71,9 @@ class Batch:
     pixel_values: torch.Tensor  # [N_total, 1176]
     image_grid_thw: torch.Tensor  # [I_total, 3]
     sample_ids: list[int] = field(default_factory=list)
+    pixel_values_videos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, PATCH_DIM))
+    video_grid_thw: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 3, dtype=torch.long))
+    second_per_grid_ts: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
     @property
     def num_supervised(self) -> int:
@@ -76,6 +92,9 @@ class Batch:
             pixel_values=self.pixel_values.to(device),
             image_grid_thw=self.image_grid_thw.to(device),
             sample_ids=list(self.sample_ids),
+            pixel_values_videos=self.pixel_values_videos.to(device),
+            video_grid_thw=self.video_grid_thw.to(device),
+            second_per_grid_ts=self.second_per_grid_ts.to(device),
         )
 
 
@@ -96,4 +115,7 @@ def pack(samples: list[Sample]) -> Batch:
         pixel_values=torch.cat(pixels).float(),
         image_grid_thw=torch.cat(grids),
         sample_ids=[s.index for s in samples],
+        pixel_values_videos=torch.cat([s.pixel_values_videos.reshape(-1, PATCH_DIM) for s in samples]).float(),
+        video_grid_thw=torch.cat([s.video_grid_thw.reshape(-1, 3).long() for s in samples]),
+        second_per_grid_ts=torch.cat([s.second_per_grid_ts.reshape(-1).float() for s in samples]),
     )

@@ -23,13 +23,16 @@ from PIL import Image
 
 from dhp.data.tokenizer import DEFAULT_SYSTEM_PROMPT, build_demo_tokenizer
 
-DEMO_VERSION = "1"
+DEMO_VERSION = "2"  # 2: the video clips
 MARKER = ".complete"
 
 SINGLE_PROMPTS = ("What digit is this?", "Which digit is shown?", "Read the digit.")
 PAIR_PROMPTS = ("What are the two digits?", "Read both digits.")
 COLLAGE_PROMPTS = ("Read the digits from left to right.", "What number is written?")
 TEXT_PROMPT = "What comes after {d}?"
+VIDEO_PROMPT = "<video>\nWhich digits appear, in order?"
+VIDEO_SIDE = 56  # px: 2x2 merged tokens per temporal patch
+VIDEO_FPS = 2  # each digit is shown for 2 frames (one temporal patch, one second)
 KINDS = ("single", "pair", "collage", "text")
 KIND_WEIGHTS = (0.8, 0.07, 0.08, 0.05)
 EVAL_FRACTION = 0.2  # share of digit instances reserved for the held-out split
@@ -70,7 +73,10 @@ def ensure_demo_dataset() -> Path:
 
 
 def make_demo_dataset(out_dir: str | Path, seed: int = 0, n_train: int = 8000, n_eval: int = 200) -> DemoPaths:
-    """Write ``train.jsonl``, ``eval.jsonl`` (LLaVA format), ``images/*.png`` and ``tokenizer/``; deterministic."""
+    """Write ``train.jsonl``, ``eval.jsonl`` (LLaVA format), ``images/*.png`` and ``tokenizer/``; deterministic.
+
+    Also the video demo: ``video_train.jsonl``, ``video_eval.jsonl`` and ``videos/*.mp4`` (n_train / 8 and
+    n_eval / 2 clips; ``configs/video_demo.yaml``). The image samples and the tokenizer do not depend on them."""
     from sklearn.datasets import load_digits
 
     root = Path(out_dir)
@@ -83,6 +89,11 @@ def make_demo_dataset(out_dir: str | Path, seed: int = 0, n_train: int = 8000, n
     pools = {"eval": order[:n_held], "train": order[n_held:]}
     texts: list[str] = [DEFAULT_SYSTEM_PROMPT, "system", "user", "assistant"]
     files = {}
+    for split, n in (("train", max(1, n_train // 8)), ("eval", max(1, n_eval // 2))):
+        split_rng = np.random.default_rng([seed, 3 if split == "train" else 4])
+        items = [_make_clip(split_rng, digits.images, digits.target, pools[split], root, f"video_{split}_{k:05d}")
+                 for k in range(n)]
+        (root / f"video_{split}.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
     for split, n in (("train", n_train), ("eval", n_eval)):
         split_rng = np.random.default_rng([seed, 1 if split == "train" else 2])
         items = [_make_item(split_rng, digits.images, digits.target, pools[split], images, f"{split}_{k:05d}")
@@ -122,6 +133,20 @@ def _make_item(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, po
     _save(collage, images / f"{name}.png")
     answer = " ".join(str(labels[i]) for i in idx)
     return _item(name, [f"images/{name}.png"], "<image>\n" + str(rng.choice(COLLAGE_PROMPTS)), answer, idx)
+
+
+def _make_clip(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, pool: np.ndarray, root: Path,
+               name: str) -> dict:
+    """An MP4 clip (mpeg4) of 2-4 digits shown one after another, each for 2 frames, at 2 fps; the answer lists
+    them in order. LLaVA form with a ``video`` entry."""
+    from dhp.data.video import write_clip
+
+    idx = rng.choice(pool, size=int(rng.integers(2, 5)))
+    frames = [_render(rng, pix[i], VIDEO_SIDE, VIDEO_SIDE) for i in idx for _ in range(2)]
+    write_clip(root / "videos" / f"{name}.mp4", np.stack(frames), fps=VIDEO_FPS)
+    answer = " ".join(str(labels[i]) for i in idx)
+    return {"id": name, "digits": [int(i) for i in idx], "video": f"videos/{name}.mp4",
+            "conversations": [{"from": "human", "value": VIDEO_PROMPT}, {"from": "gpt", "value": answer}]}
 
 
 def _item(name: str, image_paths: list[str], prompt: str, answer: str, sources: Sequence[int] | np.ndarray) -> dict:

@@ -10,6 +10,10 @@ taking the next entry of ``images`` or naming its own file (``image``,
 ``path``, ``url``, ``image_url``). Images are local files; relative paths are
 relative to ``data.image_root`` (default: the data file's folder).
 
+Videos (``docs/video.md``) work the same way: ``<video>`` tags (or ``{"type":
+"video"}`` parts) and a ``video`` (one clip) or ``videos`` (a list of clips)
+entry, each clip a video file (mp4, webm, avi) or a list of frame images.
+
 Why a pre-flight check: a broken sample found at step 10,000 of a multi-node
 run wastes the run. ``SFTDataset`` validates every sample when it is built
 (files exist and decode, ``<image>`` count matches the images, roles are known,
@@ -35,7 +39,8 @@ from dhp.config import DataConfig
 from dhp.data.batch import Sample
 from dhp.data.mrope import rope_index
 from dhp.data.processor import PATCH_DIM, grid_thw_for_size, process_image, smart_resize
-from dhp.data.tokenizer import IMAGE_PLACEHOLDER, Tokenizer
+from dhp.data.tokenizer import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Tokenizer
+from dhp.data.video import TOKENS_PER_SECOND, VideoError, VideoSettings, probe, process_video
 from dhp.errors import DataError
 from dhp.models.spec import SampleInfo
 from dhp.progress import Progress
@@ -65,6 +70,7 @@ class _Record:
     messages: list[dict[str, str]]
     images: list[Path]
     problem: str | None = None  # a structural problem found while parsing
+    videos: list[Path | list[Path]] = field(default_factory=list)  # a file, or a list of frame images
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class ValidationResult:
     issues: list[DataIssue]
     grids: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)  # record -> (t, h, w) per image
     token_counts: dict[int, dict[int, int]] = field(default_factory=dict)  # record -> {special token id: count}
+    video_grids: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)  # record -> per clip
 
 
 class SFTDataset:
@@ -97,6 +104,8 @@ class SFTDataset:
         self._lengths: dict[int, int] = {}  # record index -> exact token count
         self._grids: dict[int, tuple[tuple[int, int, int], ...]] = {}
         self._token_counts: dict[int, dict[int, int]] = {}
+        self._video_grids: dict[int, tuple[tuple[int, int, int], ...]] = {}
+        self.video = VideoSettings.from_data(cfg)
         self.skipped: list[DataIssue] = []
         if validated is not None:
             if validated.num_records != len(self._records):
@@ -104,6 +113,7 @@ class SFTDataset:
                                 f"{validated.num_records} before")
             self._lengths = dict(validated.lengths)
             self._grids, self._token_counts = dict(validated.grids), dict(validated.token_counts)
+            self._video_grids = dict(validated.video_grids)
             issues = list(validated.issues)
         else:
             issues = self.validate()
@@ -123,7 +133,7 @@ class SFTDataset:
     def validation(self) -> ValidationResult:
         """What validation found: hand it to another process opening the same file."""
         return ValidationResult(len(self._records), dict(self._lengths), list(self.skipped), dict(self._grids),
-                                dict(self._token_counts))
+                                dict(self._token_counts), dict(self._video_grids))
 
     # ---- indexing ---------------------------------------------------------------------
     def __len__(self) -> int:
@@ -142,9 +152,13 @@ class SFTDataset:
         return [self._lengths[k] for k in self._good]
 
     def info(self, i: int) -> SampleInfo:
-        """What the planner needs of sample ``i`` (token count, image grids, special-token counts), no decoding."""
+        """What the planner needs of sample ``i`` (token count, vision grids, special-token counts), no decoding.
+
+        ``image_grids`` holds the images' grids, then the video clips' (t > 1): every input of the vision encoder,
+        so that its cost and token count include video patches."""
         k = self._good[i]
-        return SampleInfo(i, self._lengths[k], self._grids.get(k, ()), self._token_counts.get(k, {}))
+        grids = self._grids.get(k, ()) + self._video_grids.get(k, ())
+        return SampleInfo(i, self._lengths[k], grids, self._token_counts.get(k, {}))
 
     def __getitem__(self, i: int) -> Sample:
         return self.get(i)
@@ -169,9 +183,27 @@ class SFTDataset:
             grids.append(grid)
         grid_thw = torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
         counts = [int(g.prod()) // 4 for g in grids]
-        ids, labels = self.tokenizer.encode_conversation(rec.messages, counts)
+        video_values, video_grids, seconds = [], [], []
+        for clip in rec.videos:
+            try:
+                if pixels:
+                    pv, plan = process_video(clip, self.video)
+                    video_values.append(pv)
+                else:
+                    plan = probe(clip, self.video)
+            except (OSError, ValueError) as e:
+                raise DataError(f"{self.file} sample {rec.index}: video {_name(clip)} cannot be processed ({e}); "
+                                "fix or remove the file, or drop the sample") from e
+            video_grids.append(plan.grid)
+            seconds.append(plan.second_per_grid)
+        video_grid_thw = torch.tensor(video_grids, dtype=torch.long).reshape(-1, 3)
+        second_per_grid_ts = torch.tensor(seconds, dtype=torch.float32)
+        ids, labels = self.tokenizer.encode_conversation(rec.messages, counts,
+                                                         video_token_counts=[t * h * w // 4 for t, h, w in video_grids])
         input_ids = torch.tensor(ids, dtype=torch.long)
-        positions = rope_index(input_ids[None], grid_thw, self.tokenizer.image_pad_id, self.tokenizer.vision_start_id)
+        positions = rope_index(input_ids[None], grid_thw, self.tokenizer.image_pad_id, self.tokenizer.vision_start_id,
+                               video_grid_thw=video_grid_thw, video_token_id=self.tokenizer.video_pad_id,
+                               second_per_grid_ts=second_per_grid_ts, tokens_per_second=TOKENS_PER_SECOND)
         return Sample(
             index=i,
             input_ids=input_ids,
@@ -179,6 +211,9 @@ class SFTDataset:
             position_ids=positions[:, 0],
             pixel_values=torch.cat(values) if values else torch.zeros(0, PATCH_DIM),
             image_grid_thw=grid_thw,
+            pixel_values_videos=torch.cat(video_values) if video_values else torch.zeros(0, PATCH_DIM),
+            video_grid_thw=video_grid_thw,
+            second_per_grid_ts=second_per_grid_ts,
         )
 
     # ---- pre-flight check -------------------------------------------------------------
@@ -202,17 +237,40 @@ class SFTDataset:
             if problem:
                 problems.append(problem)
             grids.append(grid)
+        video_grids: list[tuple[int, int, int]] = []
+        for clip in rec.videos:
+            grid, problem = self._video_grid(clip)
+            if problem:
+                problems.append(problem)
+            video_grids.append(grid)
         if problems:
             return problems
-        ids, _ = self.tokenizer.encode_conversation(rec.messages, [t * h * w // 4 for t, h, w in grids])
+        ids, _ = self.tokenizer.encode_conversation(rec.messages, [t * h * w // 4 for t, h, w in grids],
+                                                    video_token_counts=[t * h * w // 4 for t, h, w in video_grids])
         self._lengths[rec.index] = len(ids)
         self._grids[rec.index] = tuple(grids)
+        if video_grids:
+            self._video_grids[rec.index] = tuple(video_grids)
         special = set(self.tokenizer.special_ids())
         self._token_counts[rec.index] = {t: n for t, n in Counter(ids).items() if t in special}
         if len(ids) > self.cfg.max_length:
+            lower = "data.video_max_pixels or data.video_fps" if video_grids else "data.max_pixels"
             return [f"{len(ids)} {LONGER_THAN}={self.cfg.max_length} (samples are never "
-                    "truncated); raise data.max_length, lower data.max_pixels, or shorten the sample"]
+                    f"truncated); raise data.max_length, lower {lower}, or shorten the sample"]
         return []
+
+    def _video_grid(self, clip: Path | list[Path]) -> tuple[tuple[int, int, int], str | None]:
+        """A clip's (t, h, w) patch grid from its container header (or first frame), without decoding; or a
+        problem."""
+        files = clip if isinstance(clip, list) else [clip]
+        for f in files:
+            if not f.is_file():
+                return (0, 0, 0), (f"video {'frame ' if isinstance(clip, list) else ''}file {f} does not exist; fix "
+                                   f"the path (relative to {self.image_root}) or add it")
+        try:
+            return probe(clip, self.video).grid, None
+        except (VideoError, OSError) as e:
+            return (0, 0, 0), str(e) if str(files[0]) in str(e) else f"video {_name(clip)}: {e}"
 
     def _image_grid(self, img_path: Path) -> tuple[tuple[int, int, int], str | None]:
         """The image's (t, h, w) patch grid after resizing, from its header; or a problem."""
@@ -271,7 +329,15 @@ def _check_conversation(rec: _Record) -> list[str]:
     if n_ph != len(rec.images):
         problems.append(f"{n_ph} {IMAGE_PLACEHOLDER} placeholder{'s' if n_ph != 1 else ''} but "
                         f"{len(rec.images)} image{'s' if len(rec.images) != 1 else ''}; make them equal")
+    n_vid = sum(m["content"].count(VIDEO_PLACEHOLDER) for m in rec.messages)
+    if n_vid != len(rec.videos):
+        problems.append(f"{n_vid} {VIDEO_PLACEHOLDER} placeholder{'s' if n_vid != 1 else ''} but "
+                        f"{len(rec.videos)} video{'s' if len(rec.videos) != 1 else ''}; make them equal")
     return problems
+
+
+def _name(clip: Path | list[Path]) -> str:
+    return f"of {len(clip)} frames from {clip[0]}" if isinstance(clip, list) and clip else str(clip)
 
 
 # ---- reading ----------------------------------------------------------------------------
@@ -317,10 +383,12 @@ def _record(index: int, item: Any, error: str | None, image_root: Path) -> _Reco
         return _Record(index, [], [], f"expected an object with 'conversations' or 'messages', got {item!r:.60}")
     try:
         listed = _image_list(item)
+        listed_videos = _video_list(item)
+        videos = listed_videos
         if "conversations" in item:
             messages, paths = _from_llava(item["conversations"]), listed
         elif "messages" in item:
-            messages, paths = _from_messages(item["messages"], listed)
+            messages, paths, videos = _from_messages(item["messages"], listed, listed_videos)
         else:
             raise ValueError("no 'conversations' or 'messages' key; use one of the forms in the README (data forms)")
         system = item.get("system")
@@ -331,9 +399,31 @@ def _record(index: int, item: Any, error: str | None, image_root: Path) -> _Reco
                 raise ValueError("a 'system' key and a system message; give the system prompt once")
             messages = [{"role": "system", "content": system}, *messages]
         images = [_local_image(p, image_root) for p in paths]
+        clips = [[_local_image(f, image_root, "video frame") for f in v] if isinstance(v, list)
+                 else _local_image(v, image_root, "video") for v in videos]
     except ValueError as e:
         return _Record(index, [], [], str(e))
-    return _Record(index, messages, images)
+    return _Record(index, messages, images, videos=clips)
+
+
+def _video_list(item: dict[str, Any]) -> list[str | list[str]]:
+    """The sample's clips: ``video`` is one clip, ``videos`` a list of clips; a clip is a file path or a list of
+    frame image paths."""
+    if "video" in item:
+        value = item["video"]
+        if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+            return [value]
+        raise ValueError(f"'video' must be a video file path or a list of frame image paths, got {value!r:.60}")
+    value = item.get("videos")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) or (isinstance(v, list) and v and all(
+            isinstance(f, str) for f in v)) for v in value):
+        return list(value)
+    raise ValueError(f"'videos' must be a list of clips (each a video file path or a list of frame image paths), "
+                     f"got {value!r:.60}")
 
 
 def _image_list(item: dict[str, Any]) -> list[str]:
@@ -352,15 +442,15 @@ def _image_list(item: dict[str, Any]) -> list[str]:
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def _local_image(path: str, image_root: Path) -> Path:
-    """A sample's image path as a local file: relative paths are relative to ``image_root``; no URLs."""
+def _local_image(path: str, image_root: Path, what: str = "image") -> Path:
+    """A sample's image (or video) path as a local file: relative paths are relative to ``image_root``; no URLs."""
     if path.startswith("file://"):
         path = path[len("file://"):]
     elif _URL.match(path):
-        raise ValueError(f"image {path!r:.80} is a URL; dhp reads local image files only: download the images "
+        raise ValueError(f"{what} {path!r:.80} is a URL; dhp reads local {what} files only: download the {what}s "
                          "and give their paths (relative to data.image_root)")
     elif path.startswith("data:"):
-        raise ValueError("an inline (data: URI) image; dhp reads image files only: save it as a file and give "
+        raise ValueError(f"an inline (data: URI) {what}; dhp reads {what} files only: save it as a file and give "
                          "its path")
     return image_root / Path(path).expanduser()
 
@@ -379,7 +469,8 @@ def _from_llava(turns: Any) -> list[dict[str, str]]:
     return out
 
 
-def _from_messages(messages: Any, listed: list[str]) -> tuple[list[dict[str, str]], list[str]]:
+def _from_messages(messages: Any, listed: list[str], listed_videos: list | None = None
+                   ) -> tuple[list[dict[str, str]], list[str], list]:
     """Chat messages with string content (``<image>`` tags) or HF chat content (a list of parts); their images.
 
     Images in order of appearance: an image part naming its file (``image``, ``path``, ``url``, ``image_url``)
@@ -388,7 +479,9 @@ def _from_messages(messages: Any, listed: list[str]) -> tuple[list[dict[str, str
         raise ValueError("'messages' must be a list of {'role', 'content'} messages")
     out: list[dict[str, str]] = []
     images: list[str] = []
+    videos: list = []
     pending = iter(listed)
+    pending_videos = iter(listed_videos or [])
     for k, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise ValueError(f"message {k} must be an object with 'role' and 'content'")
@@ -399,6 +492,7 @@ def _from_messages(messages: Any, listed: list[str]) -> tuple[list[dict[str, str
             raise ValueError(f"message {k}: unknown role {role!r}; use 'system', 'user' or 'assistant'")
         if isinstance(content, str):
             images += [next(pending, None) for _ in range(content.count(IMAGE_PLACEHOLDER))]
+            videos += [next(pending_videos, None) for _ in range(content.count(VIDEO_PLACEHOLDER))]
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
             text = []
@@ -407,6 +501,10 @@ def _from_messages(messages: Any, listed: list[str]) -> tuple[list[dict[str, str
                 if kind == "text":
                     text.append(source)
                     continue
+                if kind == "video":
+                    text.append(VIDEO_PLACEHOLDER)
+                    videos.append(source if source is not None else next(pending_videos, None))
+                    continue
                 text.append(IMAGE_PLACEHOLDER)
                 images.append(source if source is not None else next(pending, None))
             out.append({"role": role, "content": "".join(text)})
@@ -414,11 +512,13 @@ def _from_messages(messages: Any, listed: list[str]) -> tuple[list[dict[str, str
             raise ValueError(f"message {k}: 'content' must be a string or a list of parts "
                              "({'type': 'text', 'text': ...}, {'type': 'image'})")
     # a count mismatch leaves a gap or a rest: _check_conversation reports it (placeholders vs images)
-    return out, [x for x in images if x is not None] + list(pending)
+    return (out, [x for x in images if x is not None] + list(pending),
+            [x for x in videos if x is not None] + list(pending_videos))
 
 
-def _part(part: Any, k: int, j: int) -> tuple[str, str | None]:
-    """("text", its text) or ("image", its file or None) of one part of HF chat content."""
+def _part(part: Any, k: int, j: int) -> tuple[str, Any]:
+    """("text", its text), ("image", its file or None) or ("video", its file, frame list or None) of one part of
+    HF chat content."""
     where = f"message {k} part {j}"
     if not isinstance(part, dict):
         raise ValueError(f"{where}: expected an object like {{'type': 'text', 'text': ...}}, got {part!r:.60}")
@@ -426,9 +526,10 @@ def _part(part: Any, k: int, j: int) -> tuple[str, str | None]:
     if kind == "text" or (kind is None and "text" in part):
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where}: a text part needs a string 'text'")
-        if IMAGE_PLACEHOLDER in part["text"]:
-            raise ValueError(f"{where}: an {IMAGE_PLACEHOLDER} tag inside a text part; give the image as an image "
-                             "part ({'type': 'image'}) instead")
+        for tag, kind_name in ((IMAGE_PLACEHOLDER, "image"), (VIDEO_PLACEHOLDER, "video")):
+            if tag in part["text"]:
+                raise ValueError(f"{where}: an {tag} tag inside a text part; give the {kind_name} as a {kind_name} "
+                                 f"part ({{'type': '{kind_name}'}}) instead")
         return "text", part["text"]
     if kind in ("image", "image_url") or (kind is None and ("image" in part or "image_url" in part)):
         for key in ("image", "path", "url", "image_url"):
@@ -441,6 +542,15 @@ def _part(part: Any, k: int, j: int) -> tuple[str, str | None]:
                 raise ValueError(f"{where}: '{key}' must be the image's file path, got {value!r:.60}")
             return "image", value
         return "image", None
-    if kind == "video" or "video" in part:
-        raise ValueError(f"{where}: video parts are not supported; give images")
-    raise ValueError(f"{where}: unknown part type {kind!r}; use 'text' or 'image'")
+    if kind == "video" or (kind is None and "video" in part):
+        for key in ("video", "path", "url"):
+            value = part.get(key)
+            if value is None:
+                continue
+            if not (isinstance(value, str) or (isinstance(value, list) and value and all(
+                    isinstance(f, str) for f in value))):
+                raise ValueError(f"{where}: '{key}' must be the video's file path or a list of frame image paths, "
+                                 f"got {value!r:.60}")
+            return "video", value
+        return "video", None
+    raise ValueError(f"{where}: unknown part type {kind!r}; use 'text', 'image' or 'video'")

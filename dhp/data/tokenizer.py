@@ -9,6 +9,7 @@ so a real Qwen tokenizer and the small demo one are interchangeable.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from dhp.data.batch import IGNORE_INDEX
 from dhp.errors import ModelError
 
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+_MEDIA = re.compile("(<image>|<video>)")
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 ROLES = ("system", "user", "assistant")
 
@@ -126,20 +129,22 @@ class Tokenizer:
         messages: Sequence[dict[str, str]],
         image_token_counts: Sequence[int],
         add_generation_prompt: bool = False,
+        video_token_counts: Sequence[int] = (),
     ) -> tuple[list[int], list[int]]:
         """ChatML ids of a conversation, as Qwen2.5-VL's template + processor produce them, and their labels.
 
         Each ``<image>`` in the text becomes ``<|vision_start|>`` + ``<|image_pad|>`` x N + ``<|vision_end|>``
-        with N = ``image_token_counts[k]`` for the k-th image. Labels are -100 except on assistant replies
-        and their ``<|im_end|>``. With ``add_generation_prompt`` the ids end with ``<|im_start|>assistant\\n``
-        (for generation; then the last message should not be the assistant's).
+        with N = ``image_token_counts[k]`` for the k-th image; each ``<video>`` likewise with ``<|video_pad|>``
+        and ``video_token_counts``. Labels are -100 except on assistant replies and their ``<|im_end|>``. With
+        ``add_generation_prompt`` the ids end with ``<|im_start|>assistant\\n`` (for generation; then the last
+        message should not be the assistant's).
         """
-        n_placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
-        if n_placeholders != len(image_token_counts):
-            raise ValueError(
-                f"{n_placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(image_token_counts)} images"
-            )
-        counts = iter(image_token_counts)
+        for tag, counts, what in ((IMAGE_PLACEHOLDER, image_token_counts, "images"),
+                                  (VIDEO_PLACEHOLDER, video_token_counts, "videos")):
+            n_placeholders = sum(m["content"].count(tag) for m in messages)
+            if n_placeholders != len(counts):
+                raise ValueError(f"{n_placeholders} {tag} placeholders but {len(counts)} {what}")
+        counts = {IMAGE_PLACEHOLDER: iter(image_token_counts), VIDEO_PLACEHOLDER: iter(video_token_counts)}
         ids: list[int] = []
         labels: list[int] = []
         for seg_text, sup_from in chat_segments(messages, add_generation_prompt):
@@ -148,8 +153,9 @@ class Tokenizer:
             labels += seg_labels
         return ids, labels
 
-    def _encode_segment(self, text: str, sup_from: int, counts) -> tuple[list[int], list[int]]:
-        """Ids of ``text`` (``<image>`` expanded); a token is supervised if it covers a char at or after ``sup_from``.
+    def _encode_segment(self, text: str, sup_from: int, counts: dict) -> tuple[list[int], list[int]]:
+        """Ids of ``text`` (``<image>``, ``<video>`` expanded); a token is supervised if it covers a char at or
+        after ``sup_from``.
 
         Text pieces between placeholders are encoded separately: each cut touches a vision special token, so the
         ids equal those of the whole expanded text. Vision blocks are never supervised.
@@ -157,12 +163,14 @@ class Tokenizer:
         ids: list[int] = []
         labels: list[int] = []
         pos = 0
-        for k, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
-            if k:
-                block = [self.vision_start_id] + [self.image_pad_id] * next(counts) + [self.vision_end_id]
+        for k, piece in enumerate(_MEDIA.split(text)):
+            if k % 2:  # a placeholder
+                pad = self.image_pad_id if piece == IMAGE_PLACEHOLDER else self.video_pad_id
+                block = [self.vision_start_id] + [pad] * next(counts[piece]) + [self.vision_end_id]
                 ids += block
                 labels += [IGNORE_INDEX] * len(block)
-                pos += len(IMAGE_PLACEHOLDER)
+                pos += len(piece)
+                continue
             enc = self._tok.encode(piece, add_special_tokens=False)
             ids += enc.ids
             ends = (pos + end for _, end in enc.offsets)
@@ -233,7 +241,7 @@ def build_demo_tokenizer(out_dir: str | Path, texts: Sequence[str], vocab_size: 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    clean = [t.replace(IMAGE_PLACEHOLDER, " ") for t in texts]
+    clean = [t.replace(IMAGE_PLACEHOLDER, " ").replace(VIDEO_PLACEHOLDER, " ") for t in texts]
     tok.train_from_iterator(sorted(set(clean)), trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS.values()])
     tok.save(str(out / "tokenizer.json"), pretty=False)

@@ -103,6 +103,17 @@ class EncoderSpec(ModuleSpec):
     token_id: Callable[[Any], int] = lambda model_cfg: -1  # noqa: E731 - the placeholder id
     encode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     info_tokens: Callable[[SampleInfo, Any], int] | None = None  # placeholder count from a SampleInfo
+    # An encoder that fills several placeholders (Qwen's vision: images and videos) gives them all, and a
+    # sample's count of each; its embeddings of a sample come in that order (all of the first id's, then the
+    # next id's), ``num_tokens`` their sum. Unset: the one placeholder ``token_id``.
+    token_ids: Callable[[Any], tuple[int, ...]] | None = None  # (model_cfg) -> placeholder ids
+    token_counts: Callable[[Any, Any], tuple[int, ...]] | None = None  # (Sample, model_cfg) -> count per id
+
+    def placeholder_ids(self, model_cfg: Any) -> tuple[int, ...]:
+        return self.token_ids(model_cfg) if self.token_ids else (self.token_id(model_cfg),)
+
+    def placeholder_counts(self, sample: Any, model_cfg: Any) -> tuple[int, ...]:
+        return self.token_counts(sample, model_cfg) if self.token_counts else (self.num_tokens(sample, model_cfg),)
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     mp_policy: Any = None,
     forward_methods: Iterable[str] = (),
+    prefetch: int = 1,
 ) -> nn.Module:
     """Shard ``module`` ZeRO-3 style over ``dp_mesh`` (a 1-D ``DeviceMesh``): each block, then the root.
 
@@ -177,6 +178,14 @@ def apply_fsdp(
     backward reduce-scatters its gradient and adds it into the sharded ``.grad``, so gradient
     accumulation over micro-batches (and forward(mb0), forward(mb1), backward(mb0), backward(mb1))
     gives the sum. Apply ``apply_activation_checkpointing`` to the blocks first, if wanted.
+
+    Prefetching (``prefetch`` blocks ahead, explicit, as in torchtitan): ``blocks`` are in forward order, and
+    block i issues the all-gather of blocks i+1..i+prefetch when its forward starts and of blocks
+    i-1..i-prefetch when its backward starts. FSDP2's implicit prefetching only overlaps an all-gather with
+    compute when the CPU runs ahead of the device; with tensor parallelism's DTensor dispatch the CPU is often
+    the slower side, and the explicit order issues each all-gather a whole block early regardless. (Under
+    activation checkpointing, the recomputed forward does not prefetch: FSDP2 skips it in backward.) Costs the
+    memory of ``prefetch`` more gathered blocks; ``prefetch=0`` leaves FSDP2's implicit prefetching.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
@@ -184,6 +193,12 @@ def apply_fsdp(
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    if prefetch > 0:
+        units = list(blocks)
+        for i, block in enumerate(units):
+            block.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + prefetch])
+            if i > 0:  # block 0 keeps FSDP2's default (nothing earlier to gather)
+                block.set_modules_to_backward_prefetch(units[max(0, i - prefetch) : i][::-1])
     for name in forward_methods:
         register_fsdp_forward_method(module, name)
     for m in module.modules():

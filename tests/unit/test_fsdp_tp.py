@@ -17,6 +17,7 @@ import torch
 
 from dhp.engine import param_groups
 from dhp.models.qwen2_5_vl.model import build_model
+from dhp.parallel.comm import CommCounter
 from dhp.parallel.sharding import apply_fsdp, make_zero1_optimizer, zero1_local_params
 from dhp.parallel.tensor import grad_norm_sq, local_tensor
 from dhp.runtime.mesh import ModuleLayout, create_mesh_groups, device_mesh
@@ -42,11 +43,17 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     text = build_model(cfg, seed=0).language
     parallelize_text(text, mesh["tp"])
     apply_fsdp(text, mesh["dp"], list(text.layers), forward_methods=("loss_sum",))
-    loss = summed_loss(text, text_inputs(cfg))
+    counter = CommCounter()
+    with counter:
+        loss = summed_loss(text, text_inputs(cfg))
     norm_sq = grad_norm_sq(text.parameters())
     placements = {str(p.grad.placements) for p in text.parameters()}
-    return {"loss": loss, "norm_sq": norm_sq, "placements": placements,
-            "grads": {n: full(p.grad) for n, p in text.named_parameters()}}
+    layers = list(text.layers)
+    prefetch = [([layers.index(s._modules[0]) for s in layer._get_fsdp_state()._states_to_forward_prefetch],
+                 [layers.index(s._modules[0]) for s in layer._get_fsdp_state()._states_to_backward_prefetch])
+                for layer in layers]
+    return {"loss": loss, "norm_sq": norm_sq, "placements": placements, "prefetch": prefetch,
+            "calls": dict(counter.calls), "grads": {n: full(p.grad) for n, p in text.named_parameters()}}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +67,14 @@ def test_fsdp_over_tp_keeps_grads_and_norm(sharded: list[dict[str, Any]]) -> Non
     loss = summed_loss(ref, text_inputs(cfg))
     ref_norm_sq = grad_norm_sq(ref.parameters())
     assert any("_StridedShard" in p for p in sharded[0]["placements"])  # the 2D case is really exercised
+    layers = cfg.text.num_hidden_layers
+    for r in sharded:
+        # explicit prefetch, one block ahead: forward i -> i+1, backward i -> i-1
+        assert r["prefetch"] == [([i + 1] if i + 1 < layers else [], [i - 1] if i else []) for i in range(layers)]
+        # prefetching adds no all-gather: every unit, the root (embeddings, norm, lm_head) included, is gathered
+        # once in forward and once in backward (reshard_after_forward=True); reduce-scatter once per unit
+        assert r["calls"]["all_gather"] == 2 * (layers + 1)
+        assert r["calls"]["reduce_scatter"] == layers + 1
     for r in sharded:
         torch.testing.assert_close(r["loss"], loss, rtol=1e-5, atol=1e-5)
         assert r["norm_sq"] == pytest.approx(DP * DP * ref_norm_sq, rel=1e-5)

@@ -286,7 +286,7 @@ def test_image_part_sources(good_dir: Path, tok: Tokenizer) -> None:
     by_sample = {i.index: i.message for i in e.value.issues}
     assert "is a URL; dhp reads local image files only" in by_sample[0]
     assert "is a URL" in by_sample[1]
-    assert "video parts are not supported" in by_sample[2]
+    assert "1 <video> placeholder but 0 videos" in by_sample[2]  # a video part with no clip
     assert "1 <image> placeholder but 0 images" in by_sample[3]
     assert "tag inside a text part" in by_sample[4]
 

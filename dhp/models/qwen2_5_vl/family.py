@@ -69,11 +69,15 @@ def parallelize_vision(module: VisionTransformer, par: Any, opts: ParallelizeOpt
 
 def encode_vision(module: VisionTransformer, samples: list, par: Any,
                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (embeddings of this rank's merged image tokens [n, D], their index among the batch's image tokens)."""
+    """-> (embeddings of this rank's merged vision tokens [n, D], their index among the batch's vision tokens).
+
+    Each sample's inputs in the family's order: its images, then its video clips (``token_counts``)."""
     patch_dim = module.cfg.patch_dim
-    pixels = torch.cat([torch.zeros(0, patch_dim)] + [s.pixel_values for s in samples]).to(device)
+    pixels = torch.cat([torch.zeros(0, patch_dim)] + [p for s in samples for p in (
+        s.pixel_values, s.pixel_values_videos)]).to(device)
     with host_metadata():  # image shapes: host metadata
-        grid = torch.cat([torch.zeros(0, 3, dtype=torch.long)] + [s.image_grid_thw for s in samples])
+        grid = torch.cat([torch.zeros(0, 3, dtype=torch.long)] + [g for s in samples for g in (
+            s.image_grid_thw, s.video_grid_thw)])
     if par.inner_kind != "sp":
         out = module(pixels, grid)  # [N/4, D] image order
         return out, torch.arange(out.shape[0], device=out.device)
@@ -164,7 +168,8 @@ def text_flops(tokens: int, cfg: TextConfig) -> float:
 
 
 def vision_cost(info: SampleInfo, model_cfg: Qwen2_5_VLConfig) -> float:
-    """What the vision group balances: the forward FLOPs of the sample's images (backward is a fixed multiple)."""
+    """What the vision group balances: the forward FLOPs of the sample's images and video clips (``image_grids``
+    holds both; backward is a fixed multiple)."""
     return vision_flops(info.image_grids, model_cfg.vision)
 
 
@@ -188,8 +193,10 @@ VISION = EncoderSpec(
     reset_buffers=reset_rotary_buffers,
     cost=vision_cost,
     flops=vision_sample_flops,
-    num_tokens=lambda sample, model_cfg: sample.num_image_tokens,
+    num_tokens=lambda sample, model_cfg: sample.num_image_tokens + sample.num_video_tokens,
     token_id=lambda model_cfg: model_cfg.image_token_id,
+    token_ids=lambda model_cfg: (model_cfg.image_token_id, model_cfg.video_token_id),
+    token_counts=lambda sample, model_cfg: (sample.num_image_tokens, sample.num_video_tokens),
     encode=encode_vision,
     info_tokens=vision_tokens,
 )

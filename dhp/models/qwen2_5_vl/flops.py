@@ -98,11 +98,11 @@ def _shape_only_attention():
 def count_vision(model_cfg: Qwen2_5_VLConfig, grids: Sequence[Sequence[int]]) -> tuple[float, float]:
     """(forward, backward) FLOPs of the vision module built by the family on the meta device, counted by
     ``FlopCounterMode`` over a forward and backward of a packed batch of images ``grids``."""
-    from dhp.models.qwen2_5_vl.family import VISION
+    from dhp.models.registry import get_family  # by name: the family imports this file
     from dhp.observe.flops import count_forward_backward
 
     with torch.device("meta"):
-        module = VISION.build(model_cfg)
+        module = get_family("qwen2_5_vl").module("vision").build(model_cfg)
     grid = torch.tensor([list(g) for g in grids], dtype=torch.long)  # on the CPU: the layout is computed there
     patches = int(sum(t * h * w for t, h, w in grids))
     pixels = torch.empty(patches, model_cfg.vision.patch_dim, device="meta")
@@ -113,11 +113,11 @@ def count_vision(model_cfg: Qwen2_5_VLConfig, grids: Sequence[Sequence[int]]) ->
 def count_text(model_cfg: Qwen2_5_VLConfig, segments: Sequence[int]) -> tuple[float, float]:
     """(forward, backward) FLOPs of the language module built by the family on the meta device, counted by
     ``FlopCounterMode`` over ``loss_sum`` and its backward on one packed micro-batch of ``segments``."""
-    from dhp.models.qwen2_5_vl.family import LANGUAGE
+    from dhp.models.registry import get_family  # by name: the family imports this file
     from dhp.observe.flops import count_forward_backward
 
     with torch.device("meta"):
-        module = LANGUAGE.build(model_cfg)
+        module = get_family("qwen2_5_vl").module("text").build(model_cfg)
     module.embed = lambda ids, media=None: module.embed_tokens(ids)  # placeholder checks need values
     tokens = int(sum(segments))
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")

@@ -32,14 +32,36 @@ class Qwen2_5_VL(nn.Module):
         for offset, module in enumerate((self.visual, self.language)):
             init_qwen(module, seed + offset, std=std)
 
-    def position_ids(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+    def position_ids(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
+                     video_grid_thw: torch.Tensor | None = None,
+                     second_per_grid_ts: torch.Tensor | None = None) -> torch.Tensor:
         return rope_index(
             input_ids,
             image_grid_thw,
             image_token_id=self.cfg.image_token_id,
             vision_start_token_id=self.cfg.vision_start_token_id,
             spatial_merge_size=self.cfg.vision.spatial_merge_size,
+            video_grid_thw=video_grid_thw,
+            video_token_id=self.cfg.video_token_id,
+            second_per_grid_ts=second_per_grid_ts,
+            tokens_per_second=self.cfg.vision.tokens_per_second,
         )
+
+    def encode_vision(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
+                      pixel_values_videos: torch.Tensor | None = None,
+                      video_grid_thw: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+        """``{image_token_id: image embeddings, video_token_id: video embeddings}`` (entries with none left out).
+
+        Images and clips go through the encoder in one call: attention never crosses an image or a frame, so
+        this equals encoding them apart (as transformers does)."""
+        parts = [(self.cfg.image_token_id, pixel_values, image_grid_thw),
+                 (self.cfg.video_token_id, pixel_values_videos, video_grid_thw)]
+        parts = [(tid, pv, g) for tid, pv, g in parts if pv is not None and pv.shape[0]]
+        if not parts:
+            return {}
+        embeds = self.visual(torch.cat([pv for _, pv, _ in parts]), torch.cat([g.reshape(-1, 3) for _, _, g in parts]))
+        counts = [int(g.prod(-1).sum()) // self.cfg.vision.merge_unit for _, _, g in parts]
+        return {tid: e for (tid, _, _), e in zip(parts, embeds.split(counts), strict=True)}
 
     def forward(
         self,
@@ -48,25 +70,31 @@ class Qwen2_5_VL(nn.Module):
         image_grid_thw: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids [B, L], pixel_values [N, 1176], image_grid_thw [I, 3] -> logits [B, L, V]."""
-        image_embeds = None
-        if pixel_values is not None and pixel_values.shape[0]:
-            image_embeds = self.visual(pixel_values, image_grid_thw)
+        """input_ids [B, L], pixel_values [N, 1176], image_grid_thw [I, 3], pixel_values_videos [Nv, 1176],
+        video_grid_thw [V, 3], second_per_grid_ts [V] -> logits [B, L, V]."""
+        media = self.encode_vision(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         if position_ids is None:
-            position_ids = self.position_ids(input_ids, image_grid_thw)
-        return self.language(input_ids, position_ids, image_embeds, cu_seqlens)
-
+            position_ids = self.position_ids(input_ids, image_grid_thw, video_grid_thw, second_per_grid_ts)
+        return self.language(input_ids, position_ids, media or None, cu_seqlens)
 
     # ---- what evaluation uses (dhp.evaluate.EvalModel) ----------------------------------------
-    def encode_media(self, sample) -> torch.Tensor | None:
-        """The sample's image embeddings [N/4, D], or None for a text-only sample."""
-        return self.visual(sample.pixel_values, sample.image_grid_thw) if sample.num_patches else None
+    def encode_media(self, sample) -> dict[int, torch.Tensor] | None:
+        """The sample's vision embeddings ``{placeholder id: [n, D]}``, or None for a text-only sample."""
+        media = self.encode_vision(sample.pixel_values, sample.image_grid_thw,
+                                   getattr(sample, "pixel_values_videos", None),
+                                   getattr(sample, "video_grid_thw", None))
+        return media or None
 
-    def sample_logits(self, input_ids: torch.Tensor, sample, media: torch.Tensor | None) -> torch.Tensor:
+    def sample_logits(self, input_ids: torch.Tensor, sample, media) -> torch.Tensor:
         """Logits [1, L, V] of ``input_ids`` [1, L] (a prefix of ``sample``'s ids, or its continuation)."""
         grid = sample.image_grid_thw if sample.num_patches else None
-        return self.language(input_ids, self.position_ids(input_ids, grid), media)
+        videos = getattr(sample, "video_grid_thw", None)
+        seconds = getattr(sample, "second_per_grid_ts", None)
+        return self.language(input_ids, self.position_ids(input_ids, grid, videos, seconds), media)
 
 
 def build_model(cfg: Qwen2_5_VLConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Qwen2_5_VL:

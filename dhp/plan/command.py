@@ -1,0 +1,84 @@
+"""``dhp plan MODEL --gpus N``: the table, the JSON and the plot (see ``docs/plan.md``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dhp.plan.devices import get_device
+from dhp.plan.planner import STRATEGIES, Row, plan
+
+
+def model_config(name: str) -> Any:
+    """A preset (tiny, 3b, 7b, 32b, 72b), an HF checkpoint directory, or a config.json file."""
+    from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig, preset
+
+    p = Path(name)
+    if p.is_dir():
+        p = p / "config.json"
+    if p.is_file():
+        return Qwen2_5_VLConfig.from_hf_dict(json.loads(p.read_text()))
+    return preset(name)
+
+
+def table(rows: list[Row], limit: float) -> str:
+    head = f"{'strategy':<18} {'vision tok':>10} {'AC':>3} {'fits':>4} {'vision GB':>9} {'text GB':>8} " \
+           f"{'step s':>8} {'tokens/s':>10}  layout"
+    out = [head, "-" * len(head)]
+    for r in sorted(rows, key=lambda r: (r.vision_tokens, r.ac, r.strategy)):
+        v, t = r.jobs["vision"], r.jobs["text"]
+        lay = (f"V {v.inner_kind if v.inner > 1 else 'dp'}{v.inner if v.inner > 1 else ''}xdp{v.dp} z{v.zero} | "
+               f"T {t.inner_kind if t.inner > 1 else 'dp'}{t.inner if t.inner > 1 else ''}xdp{t.dp} z{t.zero}")
+        out.append(f"{r.strategy:<18} {r.vision_tokens:>10} {'on' if r.ac else 'off':>3} "
+                   f"{'yes' if r.fits else 'no':>4} {r.groups['vision']['peak_gb']:>9.1f} "
+                   f"{r.groups['text']['peak_gb']:>8.1f} {r.step_time_s:>8.2f} {r.tokens_per_s:>10.0f}  {lay}")
+    return "\n".join(out)
+
+
+def run_plan(args: Any) -> int:
+    model_cfg = model_config(args.model)
+    dev = get_device(args.device, args.peak_tflops)
+    limit = args.gpu_memory_gb or dev.memory_gb
+    tokens = [int(x) for x in str(args.vision_tokens).split(",") if x]
+    strategies = tuple(s for s in (args.strategies or ",".join(STRATEGIES)).split(",") if s)
+    rows = plan(model_cfg, args.gpus, dev, limit, tokens, args.text_tokens, args.micro_batch_size, strategies)
+    fitting = [r for r in rows if r.fits]
+    rec = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
+    print(f"{args.model} on {args.gpus} x {dev.name} ({limit:g} GB), efficiency {dev.efficiency:.0%} of "
+          f"{dev.peak_bf16_tflops:g} TFLOP/s; {args.text_tokens} text tokens + one image per sample, "
+          f"{args.micro_batch_size} sample(s) per micro-batch")
+    print(table(rows, limit))
+    if rec is not None:
+        print(f"\nfastest that fits: {rec.strategy} at {rec.vision_tokens} vision tokens, "
+              f"{rec.tokens_per_s:.0f} tokens/s\n  dhp train " + " ".join(rec.overrides()))
+    else:
+        print("\nno layout fits")
+    if args.json:
+        doc = {"model": args.model, "gpus": args.gpus, "gpu_memory_gb": limit,
+               "rows": [r.to_dict() for r in rows], "recommended": rec.to_dict() if rec else None}
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+    if args.plot:
+        plot(rows, limit, args.plot)
+    return 0
+
+
+def plot(rows: list[Row], limit: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(r.strategy, r.ac) for r in rows}):
+        pts = sorted((r.vision_tokens, max(g["peak_gb"] for g in r.groups.values()))
+                     for r in rows if (r.strategy, r.ac) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                label=f"{key[0]}{' +AC' if key[1] else ''}")
+    ax.axhline(limit, color="red", linestyle="--", label=f"GPU limit {limit:g} GB")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("vision tokens per sample")
+    ax.set_ylabel("per-rank peak (GB)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)

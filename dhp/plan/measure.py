@@ -1,0 +1,524 @@
+"""One rank of one module group, run for real but without memory: the real build, parallelize, forward,
+backward and optimizer step under ``FakeTensorMode``, in a fake process group of the group's size.
+
+What runs is the code ``dhp train`` runs: the family's ``build`` on the meta device, its ``parallelize``
+(TP / Ulysses SP, activation checkpointing, FSDP2) with a ``Parallel`` whose process groups and DeviceMesh
+come from ``dhp.runtime.mesh`` over torch's fake backend, ``to_empty``, the engine's parameter groups and
+optimizer (ZeRO-1 included), the family's ``encode`` (the Qwen window sharding under SP: a rank holds
+1/sp of the sequence) or the language model's ``loss_sum``, the engine's ``finish_gradients`` and ``step``.
+Tensors are fake: they have shapes, dtypes and devices, no storage, so a 72B model "runs" on a laptop.
+
+Three observers watch the same run:
+
+* ``MemTracker`` (``FSDPMemTracker`` under FSDP2) from ``torch.distributed._tools``: the rank's peak and
+  its parts (weights, gradients, optimizer state, activations, the rest);
+* ``FlopCounterMode``: the rank's FLOPs of a micro-batch (forward, backward, recomputation);
+* ``dhp.parallel.comm.CommCounter``: bytes per collective kind, per micro-batch and per step.
+
+The fake backend gives every group rank 0: a rank 0 of each inner group is measured (shards are balanced, so
+every rank holds the same to within one attention window or one row of an uneven vocabulary shard).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+GiB = 1024**3
+
+# ---- what to measure, and what comes back -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupJob:
+    """One module group's layout and its work per micro-batch."""
+
+    module: str  # "vision" | "text"
+    dp: int = 1
+    inner: int = 1  # sp (vision) or tp ranks per replica
+    inner_kind: str = "none"  # "sp" | "tp" | "none"
+    zero: int = 0
+    activation_checkpointing: bool = False
+    vision_tokens: int = 16384  # patches per sample (one image each)
+    text_tokens: int = 4096  # text tokens per sample besides the image placeholders
+    micro_batch_size: int = 1
+    device: str = "cuda"  # the engine's decisions follow this device type (FSDP2 bf16 policy on cuda)
+    dtype: str = "bfloat16"
+    optimizer: str = "adamw"
+    static: bool = False  # build, gradients and optimizer state only: no forward (closed-form checks)
+
+    @property
+    def ranks(self) -> int:
+        return self.dp * self.inner
+
+
+@dataclass
+class GroupResult:
+    """Bytes, FLOPs and collective bytes of one rank of a group (per micro-batch unless said otherwise)."""
+
+    peak: int = 0  # this rank's peak over forward, backward, gradient reduction and optimizer step
+    peak_fb: int = 0  # ... over the micro-batch (forward, backward)
+    peak_step: int = 0  # ... over the gradient reduction and the optimizer step
+    weights: int = 0  # parameters (local shards) and buffers
+    grads: int = 0  # gradients, all of them (after the backward)
+    optimizer: int = 0  # optimizer state
+    activations: int = 0  # activations at the micro-batch's peak
+    retained: int = 0  # what a forward leaves for its backward (held while the text group runs)
+    flops: float = 0.0  # forward + backward (+ recomputation) of one micro-batch
+    comm: dict[str, int] = field(default_factory=dict)  # payload bytes per kind, one micro-batch
+    comm_sent: dict[str, int] = field(default_factory=dict)  # bytes sent to other ranks (all-to-all)
+    step_comm: dict[str, int] = field(default_factory=dict)  # payload bytes per kind, once per step
+    router: int = 0  # embedding bytes in + their gradients out, one micro-batch of this rank
+    parameters: int = 0  # local parameter elements
+    breakdown: dict[str, int] = field(default_factory=dict)  # the tracker's peak snapshot
+
+    @property
+    def temporaries(self) -> int:
+        return max(0, self.peak - self.weights - self.grads - self.optimizer - self.activations)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---- inputs -----------------------------------------------------------------------------------------------------
+
+
+def image_grid(patches: int) -> tuple[int, int, int]:
+    """(t, h, w) of one image of about ``patches`` patches: h and w even (2x2 merge), as square as possible."""
+    n = max(4, 4 * math.ceil(patches / 4)) // 4  # merged tokens
+    best = (1, n)
+    for a in range(1, int(math.isqrt(n)) + 1):
+        if n % a == 0:
+            best = (a, n // a)
+    return (1, 2 * best[0], 2 * best[1])
+
+
+def _vision_samples(job: GroupJob, model_cfg: Any) -> list:
+    """``micro_batch_size`` samples of one image each: the grid is real (host metadata), the pixels fake."""
+    from dhp.data.batch import Sample
+
+    grid = image_grid(job.vision_tokens)
+    n = grid[0] * grid[1] * grid[2]
+    out = []
+    for i in range(job.micro_batch_size):
+        with _real():  # everything but the pixels is host metadata (the sample's other fields included)
+            empty = torch.zeros(0, dtype=torch.long)
+            sample = Sample(index=i, input_ids=empty, labels=empty, position_ids=empty.view(3, 0),
+                            pixel_values=empty, image_grid_thw=torch.tensor([grid], dtype=torch.long))
+        sample.pixel_values = torch.zeros(n, model_cfg.vision.patch_dim)
+        out.append(sample)
+    return out
+
+
+def _text_batch(job: GroupJob, model_cfg: Any) -> dict[str, Any]:
+    """A packed micro-batch (real host tensors: ids, positions, targets, boundaries) and the image embeddings
+    as the router delivers them (fake, float32, a gradient leaf)."""
+    unit = model_cfg.vision.merge_unit
+    grid = image_grid(job.vision_tokens)
+    n_img = grid[0] * grid[1] * grid[2] // unit
+    per = job.text_tokens + n_img
+    with _real():
+        ids = torch.full((job.micro_batch_size, per), 0, dtype=torch.long)
+        ids[:, 1:1 + n_img] = model_cfg.image_token_id
+        input_ids = ids.reshape(1, -1)
+        position_ids = torch.arange(per).repeat(job.micro_batch_size).view(1, 1, -1).expand(3, 1, -1).contiguous()
+        targets = input_ids.clone()
+        cu = torch.arange(0, job.micro_batch_size + 1, dtype=torch.int32) * per
+    media = torch.zeros(n_img * job.micro_batch_size, model_cfg.text.hidden_size, requires_grad=True)
+    return {"input_ids": input_ids, "position_ids": position_ids, "targets": targets, "cu_seqlens": cu,
+            "media": media}
+
+
+def _real():
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+# ---- the fake world ---------------------------------------------------------------------------------------------
+
+
+def _fake_world(job: GroupJob, spec_parallel: Any, fake: bool = True):
+    """A fake default group of the group's size, the runtime's mesh groups and DeviceMesh over it (made
+    outside FakeTensorMode), and this rank's ``Parallel``. ``fake=False``: the same over the default group
+    already there (a real multi-process run of ``job.ranks`` processes, the tests' check of the prediction)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dhp.parallel.layout import Parallel
+    from dhp.runtime.mesh import ModuleLayout, create_mesh_groups, device_mesh
+
+    if fake:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=job.ranks)
+        backend, rank = "fake", 0
+    else:
+        assert dist.get_world_size() == job.ranks, (dist.get_world_size(), job.ranks)
+        backend, rank = dist.get_backend(), dist.get_rank()
+    if job.ranks == 1:
+        return Parallel(spec_parallel)
+    name = "sp" if job.inner_kind == "sp" else "tp"
+    layout = ModuleLayout(job.module, job.dp, job.inner, name)
+    groups = create_mesh_groups([layout], backend, rank)
+    mesh = device_mesh(layout, rank, groups, "cpu")
+    return Parallel(spec=spec_parallel, inner_kind=name if job.inner > 1 else "none", dp_rank=rank // job.inner,
+                    inner_rank=rank % job.inner, dp_group=groups["dp"], inner_group=groups[name],
+                    module_group=dist.group.WORLD, mesh=mesh)
+
+
+def _config(job: GroupJob) -> Any:
+    from dhp.config import Config, ModuleConfig, ParallelConfig
+
+    cfg = Config()
+    cfg.train.dtype = job.dtype
+    cfg.train.optimizer = job.optimizer
+    sp = job.inner if job.inner_kind == "sp" else 1
+    tp = job.inner if job.inner_kind == "tp" else 1
+    cfg.modules[job.module] = ModuleConfig(activation_checkpointing=job.activation_checkpointing,
+                                           parallel=ParallelConfig(dp=job.dp, sp=sp, tp=tp, zero=job.zero))
+    return cfg
+
+
+def _engine_shell(spec: Any, model_cfg: Any, cfg: Any, par: Any) -> tuple[Any, Any]:
+    """A bare ``ModuleEngine`` (no module yet) and its FSDP2 mesh, made outside FakeTensorMode (a DeviceMesh
+    reads its ranks)."""
+    from dhp.engine import ModuleEngine
+
+    eng = ModuleEngine.__new__(ModuleEngine)
+    eng.spec, eng.model_cfg, eng.cfg = spec, model_cfg, cfg
+    eng.mcfg = cfg.module(spec.name)
+    eng.par = par
+    eng.device = torch.device("cpu")
+    eng.fsdp = eng.mcfg.parallel.zero == 3 and par.distributed
+    return eng, (eng.reduce_mesh() if eng.fsdp else None)
+
+
+def _engine_build(eng: Any, fsdp_mesh: Any, device_type: str) -> Any:
+    """The rest of ``ModuleEngine.__init__``, less the weights' values (fake tensors have none): the family's
+    build (on fake CPU tensors, which hold no storage, where the engine builds on meta and calls ``to_empty``:
+    a fake parameter cannot be swapped in), trainable flags, the family's ``parallelize`` with the engine's
+    options (the FSDP2 bf16 policy when the device is CUDA, as the engine decides there), ``reset_buffers``,
+    the engine's parameter groups and optimizer (ZeRO-1 over the reduce group)."""
+    from dhp.engine import lr_lambda, param_groups
+    from dhp.models.spec import ParallelizeOptions
+
+    spec, cfg = eng.spec, eng.cfg
+    with torch.device("cpu"):
+        eng.module = spec.build(eng.model_cfg)
+    eng.amp = cfg.train.dtype == "bfloat16"
+    eng._set_trainable()
+    policy = None
+    if eng.fsdp and eng.amp and device_type == "cuda":
+        from dhp.parallel.sharding import mixed_precision_policy
+
+        policy = mixed_precision_policy(torch.bfloat16)
+        eng.amp = False
+    opts = ParallelizeOptions(activation_checkpointing=eng.mcfg.activation_checkpointing, fsdp_mesh=fsdp_mesh,
+                              mp_policy=policy, sequence_parallel=eng.mcfg.parallel.sequence_parallel)
+    spec.parallelize(eng.module, eng.par, opts)
+    eng._set_trainable()
+    if spec.reset_buffers is not None:
+        spec.reset_buffers(eng.module)
+    named = list({id(p): (n, p) for n, p in eng.module.named_parameters()}.values())
+    groups = param_groups(named, cfg.train.lr, cfg.train.weight_decay)
+    eng.trainable = [p for g in groups for p in g["params"]]
+    eng.optimizer = eng._optimizer(groups) if eng.trainable else None
+    eng.scheduler = torch.optim.lr_scheduler.LambdaLR(eng.optimizer, lr_lambda(cfg)) if eng.optimizer else None
+    return eng
+
+
+def _local_bytes(tensors) -> int:
+    from dhp.parallel.tensor import local_tensor
+
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        loc = local_tensor(t)
+        total += loc.numel() * loc.element_size()
+    return total
+
+
+def _optimizer_state(opt: Any) -> list[torch.Tensor]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    inner = opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+    return [v for st in inner.state.values() for v in st.values()
+            if isinstance(v, torch.Tensor) and v.numel() > 1]
+
+
+def _warm_optimizer(eng: Any) -> None:
+    """The optimizer state of a later step exists already (an AdamW step on zero gradients, no values)."""
+    if eng.optimizer is None:
+        return
+    for p in eng.trainable:
+        p.grad = torch.zeros_like(p)
+    eng.optimizer.step()
+    eng.optimizer.zero_grad(set_to_none=True)
+
+
+# ---- FLOPs of CPU attention (the fake run's SDPA picks the CPU flash kernel) ------------------------------------
+
+_FLOPS_REGISTERED = False
+
+
+def _register_cpu_attention_flops() -> None:
+    global _FLOPS_REGISTERED
+    if _FLOPS_REGISTERED:
+        return
+    from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)
+    def _fwd(q, k, v, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(q, k, v) // (2 if is_causal else 1)
+
+    @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    def _bwd(grad_out, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_backward_flop_count(grad_out, q, k, v) // (2 if is_causal else 1)
+
+    _FLOPS_REGISTERED = True
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+
+
+def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True) -> GroupResult:
+    """Run one rank of ``job`` under FakeTensorMode and a fake process group; see the module docstring.
+    ``fake=False``: the same code on real tensors, on this rank of the real default group (tests)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dhp.models.registry import get_family
+    from dhp.parallel.comm import CommCounter
+    from dhp.parallel.sharding import is_fsdp
+
+    _register_cpu_attention_flops()
+    family = family or get_family("qwen2_5_vl")
+    spec = family.module(job.module)
+    cfg = _config(job)
+    par = _fake_world(job, cfg.module(job.module).parallel, fake)
+    res = GroupResult()
+    try:
+        eng, fsdp_mesh = _engine_shell(spec, model_cfg, cfg, par)
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext():
+            eng = _engine_build(eng, fsdp_mesh, job.device)
+            _warm_optimizer(eng)
+            fsdp = is_fsdp(eng.module)
+            tracker = _peak_only(FSDPMemTracker)(eng.module, eng.optimizer) if fsdp else _peak_only(MemTracker)()
+            if fsdp:
+                _know_fsdp_roots(tracker, eng.module)
+            else:
+                tracker.track_external(eng.module, eng.optimizer)
+            res.parameters = sum(p.numel() for p in {id(q): q.to_local() if hasattr(q, "to_local") else q
+                                                     for q in eng.module.parameters()}.values())
+            res.weights = _local_bytes(list(eng.module.parameters()) + list(eng.module.buffers()))
+            res.optimizer = _local_bytes(_optimizer_state(eng.optimizer)) if eng.optimizer else 0
+            flops, comm = FlopCounterMode(display=False), CommCounter()
+            with ExitStack() as stack:
+                stack.enter_context(_untracked_sharding_propagation())
+                stack.enter_context(tracker)
+                if not job.static:
+                    with flops, comm:
+                        after_fwd, before = _micro_batch(eng, job, model_cfg, tracker)
+                    res.retained = max(0, after_fwd - before)
+                res.grads = _local_bytes([p.grad for p in eng.trainable]) if not job.static else 0
+                fb = _device_snapshot(tracker.get_tracker_snapshot("peak"))
+                tracker._peak_mem, tracker._peak_mem_snap = {}, {}  # the step's own peak from here
+                step = CommCounter()
+                with step:
+                    eng.finish_gradients(1.0)  # real code: zero grads where a parameter got none, dp/sp reduce
+                if job.static:
+                    res.grads = _local_bytes([p.grad for p in eng.trainable])
+                with step:  # (the global norm is a few scalars, and a host read: left out)
+                    eng.step(1.0)
+            st = _device_snapshot(tracker.get_tracker_snapshot("peak"))
+            res.peak_fb, res.peak_step = fb.get("Total", 0), st.get("Total", 0)
+            res.breakdown = fb if res.peak_fb >= res.peak_step else st
+            res.peak = max(res.peak_fb, res.peak_step)
+            res.activations = fb.get("Activation", 0)
+            res.flops = float(flops.get_total_flops())
+            res.comm = dict(comm.bytes)
+            res.comm_sent = dict(comm.sent)
+            res.step_comm = dict(step.bytes)
+            if job.module == "text":
+                n_img = image_grid(job.vision_tokens)
+                n_img = n_img[0] * n_img[1] * n_img[2] // model_cfg.vision.merge_unit * job.micro_batch_size
+                res.router = 2 * n_img * model_cfg.text.hidden_size * 4  # embeddings in, gradients out (float32)
+            else:
+                grid = image_grid(job.vision_tokens)
+                n_img = grid[0] * grid[1] * grid[2] // model_cfg.vision.merge_unit * job.micro_batch_size
+                res.router = 2 * n_img * model_cfg.vision.out_hidden_size * 4 // max(1, job.inner
+                                                                                    if job.inner_kind == "sp" else 1)
+    finally:
+        if fake and dist.is_initialized():
+            dist.destroy_process_group()
+    return res
+
+
+_PROPAGATING = [0]  # > 0 while DTensor's sharding propagator runs an op on global-shape fake tensors
+
+
+@contextmanager
+def _untracked_sharding_propagation():
+    """DTensor's sharding propagator learns an op's output shape by running it on fake tensors of the
+    *global* shape, under the fake mode it detects: ours. ``MemTracker`` skips those ops only when it was
+    entered outside any fake mode (its identity check on the active fake mode); under ours it counts them
+    as allocations. The propagator caches per op schema, so only the first run of a process paid them (a
+    32B text rank under TP 8 "held" the full-vocabulary logits, 4.7 GB, once): a run's figures depended on
+    what ran before it in the process. Marked here, and ignored by ``_peak_only``'s trackers."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    orig = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def marked(self: Any, op_schema: Any) -> Any:
+        _PROPAGATING[0] += 1
+        try:
+            return orig(self, op_schema)
+        finally:
+            _PROPAGATING[0] -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = orig
+
+
+def _peak_only(cls: type) -> type:
+    """The tracker, keeping the rank's peak only: the stock ``_update_peak_stats`` also walks every module's
+    statistics on every op (most of a 32B run's time); the planner reads the device peak and its parts. Ops
+    run by DTensor's sharding propagation are not the rank's (``_untracked_sharding_propagation``)."""
+
+    class PeakOnly(cls):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if _PROPAGATING[0]:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                total = snap["Total"]
+                if self._peak_mem.get(dev, 0) < total:
+                    self._peak_mem[dev] = total
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    PeakOnly.__name__ = f"PeakOnly{cls.__name__}"
+    return PeakOnly
+
+
+def _know_fsdp_roots(tracker: Any, module: torch.nn.Module) -> None:
+    """``FSDPMemTracker`` registers a unit when its ``__call__`` runs; a root driven through a registered
+    forward method (``TextModel.loss_sum``, ``VisionTransformer.encode_rows``) never goes through it, and its
+    backward hook would then find no entry. Register the root up front (its blocks register themselves)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModMemStats
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule) and module not in tracker.memory_tracking:
+        stat = _FSDPModMemStats(type(module).__name__)
+        stat.local_peak = {}
+        tracker.memory_tracking[module] = stat
+
+
+def _device_snapshot(snap: dict) -> dict[str, int]:
+    """The tracker's snapshot of the (one) device, ``{category: bytes}``."""
+    out: Counter[str] = Counter()
+    for dev_snap in snap.values():
+        for k, v in dev_snap.items():
+            out[getattr(k, "value", str(k))] += int(v)
+    return dict(out)
+
+
+def _current_total(tracker: Any) -> int:
+    return _device_snapshot(tracker.get_tracker_snapshot("current")).get("Total", 0)
+
+
+def _micro_batch(eng: Any, job: GroupJob, model_cfg: Any, tracker: Any) -> tuple[int, int]:
+    """One micro-batch through the engine's code: the encoder's forward then backward of its embeddings'
+    gradient, or the language model's ``loss_sum`` and backward. -> (memory after forward, before it)."""
+    before = _current_total(tracker)
+    if job.module == "text":
+        b = _text_batch(job, model_cfg)
+        media = {model_cfg.image_token_id: b["media"]}
+        with eng.autocast():
+            loss = eng.module.loss_sum(b["input_ids"], b["position_ids"], b["targets"], media, b["cu_seqlens"])
+        after = _current_total(tracker)
+        loss.backward()
+        return after, before
+    samples = _vision_samples(job, model_cfg)
+    with eng.autocast():
+        embeds, _ = eng.spec.encode(eng.module, samples, eng.par, eng.device)
+        embeds = embeds.float()
+    after = _current_total(tracker)
+    embeds.backward(torch.zeros_like(embeds))
+    return after, before
+
+
+# ---- deep stacks: two shallow runs, extrapolated along the depth --------------------------------------------------
+
+_NUMERIC = ("peak_fb", "peak_step", "weights", "grads", "optimizer", "activations", "retained", "flops", "router",
+            "parameters")
+
+
+def _depths(job: GroupJob, model_cfg: Any) -> tuple[Any, Any, float] | None:
+    """Two shallower configs of the same model and where the real depth lies on the line through them:
+    the text model at 8 and 16 layers (at fewer, the peak sits at the loss rather than at the end of the
+    forward and the line does not hold yet); the vision encoder at one and two periods of its full-attention
+    pattern (Qwen2.5-VL: 8 and 16 blocks, full attention at block 7 (and 15)). None: run it whole."""
+    from dataclasses import replace
+
+    if job.module == "text":
+        n = model_cfg.text.num_hidden_layers
+        if n <= 24:
+            return None
+        small = [replace(model_cfg, text=replace(model_cfg.text, num_hidden_layers=k)) for k in (8, 16)]
+        return small[0], small[1], (n - 8) / 8
+    v = model_cfg.vision
+    full = list(v.fullatt_block_indexes)
+    if len(full) < 3:
+        return None
+    period = full[0] + 1
+    if any(b != period * (i + 1) - 1 for i, b in enumerate(full)) or v.depth != period * len(full):
+        return None
+    small = [replace(model_cfg, vision=replace(v, depth=period * k, fullatt_block_indexes=tuple(full[:k])))
+             for k in (1, 2)]
+    return small[0], small[1], len(full) - 1.0
+
+
+def measure_model(job: GroupJob, model_cfg: Any, family: Any = None) -> GroupResult:
+    """``measure``, on the whole model or, for a deep stack, on two shallow copies of it whose results are
+    extended along the depth: every block of a stack holds and computes the same, so the peak, its parts, the
+    FLOPs and the bytes of every collective are linear in the number of blocks (``tests/unit/test_plan.py``
+    checks the line against the whole model)."""
+    plan = _depths(job, model_cfg)
+    if plan is None:
+        return measure(job, model_cfg, family)
+    a_cfg, b_cfg, t = plan
+    a, b = measure(job, a_cfg, family), measure(job, b_cfg, family)
+    return extrapolate(a, b, t)
+
+
+def extrapolate(a: GroupResult, b: GroupResult, t: float) -> GroupResult:
+    """``a + t (b - a)`` for every figure (``t``: how many times the step from a to b the real depth lies
+    beyond a). The micro-batch's peak and the optimizer step's peak are extended apart (each is linear in the
+    depth; which one is the larger can change with it) and the peak is the larger of the two."""
+    out = GroupResult()
+    for name in _NUMERIC:
+        x, y = getattr(a, name), getattr(b, name)
+        val = x + t * (y - x)
+        setattr(out, name, type(x)(round(val)) if isinstance(x, int) else val)
+    out.peak = max(out.peak_fb, out.peak_step)
+    for name in ("comm", "comm_sent", "step_comm", "breakdown"):
+        x, y = getattr(a, name), getattr(b, name)
+        setattr(out, name, {k: int(round(x.get(k, 0) + t * (y.get(k, 0) - x.get(k, 0)))) for k in {*x, *y}})
+    return out

@@ -1,0 +1,66 @@
+"""`dhp bench` on CPU: the three default layouts in one command; the vision communication ratio SP/TP equals
+its closed form."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dhp.cli import main
+from dhp.config import load_config
+from dhp.inputs import prepare
+from dhp.models.registry import get_family
+
+
+def vision_comm_closed_form(patches: int, params: int, model_cfg, sp: int, tp: int) -> tuple[int, int]:
+    """Bytes the vision group hands to collectives in one step (all ranks, float32, CommCounter's payload bytes).
+
+    Ulysses SP (dp 1): per full-attention block, forward sends q, k, v seq->heads (``3 S_r C`` per rank) and the
+    output heads->seq (``S C / sp``), backward the adjoints (``S_r C`` and ``3 S C / sp``): ``8 S C`` over the
+    ranks, whatever sp; then every SP rank all-reduces the gradients of the whole encoder (``sp * params``).
+    (``dhp.parallel.ulysses.expected_alltoall_bytes`` is the ``sent`` counterpart: the payload less what a rank
+    keeps.)
+
+    TP: every block all-reduces [S, C] twice in forward (attention proj, MLP down: row-parallel) and three times
+    in backward (input gradients of the column-parallel qkv, gate and up), on each of the tp ranks; plus one
+    float64 all-reduce of the squared gradient norm per rank. No gradient all-reduce (one replica)."""
+    c, blocks = model_cfg.hidden_size, model_cfg.depth
+    n_full = len(model_cfg.fullatt_block_indexes)
+    sp_bytes = 4 * 8 * patches * c * n_full + 4 * sp * params
+    tp_bytes = 4 * 5 * tp * patches * c * blocks + 8 * tp
+    return sp_bytes, tp_bytes
+
+
+def test_bench_three_layouts(ray_cluster, demo_overrides, tmp_path):
+    rc = main(["bench", *demo_overrides, "runtime.cpus_per_worker=0.5", "--layouts", "dhp,uniform_tp,fsdp",
+               "--steps", "1", "--warmup", "1", "--workers", "4"])
+    assert rc == 0
+    out = tmp_path / "run"
+    bench = json.loads((out / "bench.json").read_text())
+    layouts = bench["layouts"]
+    assert list(layouts) == ["dhp", "uniform_tp", "fsdp"]
+    for r in layouts.values():
+        assert r["steps_measured"] == [2] and r["tokens_per_s"] > 0 and r["ratio_to_uniform_tp"] > 0
+        for g in r["groups"].values():
+            assert 0 < g["busy"] <= 1 and g["imbalance"] >= 1 and 0 < g["mfu"] < 1 and g["peak_memory_gb"] > 0
+        assert r["router_bytes_per_step"] > 0
+    assert layouts["uniform_tp"]["ratio_to_uniform_tp"] == 1.0
+    assert set(layouts["dhp"]["comm_bytes_per_step"]["vision"]) == {"all_to_all", "all_reduce"}
+    assert set(layouts["fsdp"]["comm_bytes_per_step"]["vision"]) >= {"all_gather", "reduce_scatter"}
+    for name in ("bench_throughput.png", "bench_groups.png"):
+        assert (out / name).stat().st_size > 1000
+
+    # the measured SP/TP ratio of vision bytes against the closed form, on the measured step's patches
+    cfg = load_config(None, demo_overrides)
+    prepared = prepare(cfg)
+    plan = prepared.planner.plan(1)  # step 2
+    patches = sum(t * h * w for i in plan.sample_ids for t, h, w in prepared.dataset.info(i).image_grids)
+    with torch.device("meta"):
+        vision = get_family("qwen2_5_vl").module("vision").build(prepared.inputs.model_cfg)
+    params = sum(p.numel() for p in vision.parameters())
+    sp_bytes, tp_bytes = vision_comm_closed_form(patches, params, prepared.inputs.model_cfg.vision, sp=2, tp=2)
+    assert sum(layouts["dhp"]["comm_bytes_per_step"]["vision"].values()) == pytest.approx(sp_bytes, rel=1e-3)
+    assert sum(layouts["uniform_tp"]["comm_bytes_per_step"]["vision"].values()) == pytest.approx(tp_bytes, rel=1e-3)
+    assert bench["vision_comm_ratio_sp_tp"] == pytest.approx(sp_bytes / tp_bytes, rel=0.01)

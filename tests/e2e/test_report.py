@@ -1,0 +1,23 @@
+"""`dhp report RUN_DIR`: non-empty PNGs from a short run's metrics.jsonl and trace.json."""
+
+from __future__ import annotations
+
+import json
+
+from dhp.cli import main
+
+
+def test_report_writes_pngs(demo_overrides, tmp_path, capsys):
+    rc = main(["train", *demo_overrides, "train.steps=2", "output.trace_steps=1", "output.save_final=false",
+               "train.eval_at_end=false"])
+    assert rc == 0
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["mfu_text"] < 1 and r["model_flops_vision"] > 0 for r in rows)  # local backend: MFU too
+    assert "mfu" in capsys.readouterr().out
+    rc = main(["report", str(run)])
+    assert rc == 0
+    for name in ("loss_lr.png", "throughput_mfu.png", "memory.png", "timeline.png"):
+        png = run / "plots" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    assert main(["report", str(tmp_path / "missing")]) == 2
