@@ -23,13 +23,14 @@ def vision_comm_closed_form(patches: int, params: int, model_cfg, sp: int, tp: i
     (``dhp.parallel.ulysses.expected_alltoall_bytes`` is the ``sent`` counterpart: the payload less what a rank
     keeps.)
 
-    TP: every block all-reduces [S, C] twice in forward (attention proj, MLP down: row-parallel) and three times
-    in backward (input gradients of the column-parallel qkv, gate and up), on each of the tp ranks; plus one
-    float64 all-reduce of the squared gradient norm per rank. No gradient all-reduce (one replica)."""
+    TP: every block all-reduces [S, C] twice in forward (attention proj, MLP down: row-parallel) and twice in
+    backward (the input gradients of the fused qkv, and of gate and up together: the MLP's input is one
+    Replicate DTensor, so its two partial gradients are summed before one reduction), on each of the tp ranks;
+    plus one float64 all-reduce of the squared gradient norm per rank. No gradient all-reduce (one replica)."""
     c, blocks = model_cfg.hidden_size, model_cfg.depth
     n_full = len(model_cfg.fullatt_block_indexes)
     sp_bytes = 4 * 8 * patches * c * n_full + 4 * sp * params
-    tp_bytes = 4 * 5 * tp * patches * c * blocks + 8 * tp
+    tp_bytes = 4 * 4 * tp * patches * c * blocks + 8 * tp
     return sp_bytes, tp_bytes
 
 
