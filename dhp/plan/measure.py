@@ -128,7 +128,7 @@ def _text_batch(job: GroupJob, model_cfg: Any) -> dict[str, Any]:
         ids[:, 1:1 + n_img] = model_cfg.image_token_id
         input_ids = ids.reshape(1, -1)
         position_ids = torch.arange(per).repeat(job.micro_batch_size).view(1, 1, -1).expand(3, 1, -1).contiguous()
-        targets = input_ids.clone()
+        targets = input_ids.masked_fill(input_ids == model_cfg.image_token_id, -100)  # images: not supervised
         cu = torch.arange(0, job.micro_batch_size + 1, dtype=torch.int32) * per
     media = torch.zeros(n_img * job.micro_batch_size, model_cfg.text.hidden_size, requires_grad=True)
     return {"input_ids": input_ids, "position_ids": position_ids, "targets": targets, "cu_seqlens": cu,
@@ -288,6 +288,34 @@ def _register_cpu_attention_flops() -> None:
     _FLOPS_REGISTERED = True
 
 
+def _local_flop_counter() -> Any:
+    """``FlopCounterMode`` counting what this rank computes. The stock mode sees a DTensor op before DTensor
+    desugars it and counts it at its *global* shapes: a TP rank's matmuls counted whole, ``t`` times its
+    share (a uniform-TP layout looked ``t`` times slower than it is). Here the mode steps aside for DTensor
+    (as ``MemTracker`` does), counts the local ops DTensor runs, and not the global-shape ops of its sharding
+    propagation (``_untracked_sharding_propagation``)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
+
+    class _Local(_FlopCounterMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            if _PROPAGATING[0]:  # DTensor's shape inference, not the rank's work
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    class LocalFlopCounterMode(FlopCounterMode):
+        def __enter__(self) -> Any:
+            self.flop_counts.clear()
+            self.mod_tracker.__enter__()
+            self.mode = _Local(self)
+            self.mode.__enter__()
+            return self
+
+    return LocalFlopCounterMode(display=False)
+
+
 # ---- the run ---------------------------------------------------------------------------------------------------
 
 
@@ -297,7 +325,6 @@ def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils.flop_counter import FlopCounterMode
 
     from dhp.models.registry import get_family
     from dhp.parallel.comm import CommCounter
@@ -324,7 +351,7 @@ def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True
                                                      for q in eng.module.parameters()}.values())
             res.weights = _local_bytes(list(eng.module.parameters()) + list(eng.module.buffers()))
             res.optimizer = _local_bytes(_optimizer_state(eng.optimizer)) if eng.optimizer else 0
-            flops, comm = FlopCounterMode(display=False), CommCounter()
+            flops, comm = _local_flop_counter(), CommCounter()
             with ExitStack() as stack:
                 stack.enter_context(_untracked_sharding_propagation())
                 stack.enter_context(tracker)
