@@ -78,7 +78,21 @@ def run_text(model: torch.nn.Module, x: dict[str, torch.Tensor]) -> dict[str, An
     loss.backward()
     grads = {n: full(p.grad) for n, p in model.named_parameters()}
     return {"logits": logits, "loss": loss.detach(), "grads": grads, "embeds_grad": embeds.grad,
-            "norm_sq": grad_norm_sq(model.parameters())}
+            "norm_sq": grad_norm_sq(model.parameters()), "grad_layouts": grad_layout_mismatches(model)}
+
+
+def grad_layout_mismatches(model: torch.nn.Module) -> list[str]:
+    """Parameters whose gradient is not laid out like the parameter (placements and local shape): optimizers,
+    clipping, ZeRO-1 and checkpoints rely on it, and a Replicate grad of a sharded weight costs its full size."""
+    bad = []
+    for n, p in model.named_parameters():
+        g = p.grad
+        if isinstance(p, DTensor):
+            if not isinstance(g, DTensor) or g.placements != p.placements or g.to_local().shape != p.to_local().shape:
+                bad.append(f"{n}: {getattr(g, 'placements', type(g).__name__)} vs {p.placements}")
+        elif isinstance(g, DTensor) or g.shape != p.shape:
+            bad.append(n)
+    return bad
 
 
 def run_vision(model: torch.nn.Module, x: dict[str, torch.Tensor], tp: int) -> dict[str, Any]:
@@ -153,6 +167,7 @@ def test_text_tp_matches_unsharded(sharded, case, tie, extra):
         assert_grads_close(got["grads"], ref["grads"])
         assert (got["embeds_grad"] - ref["embeds_grad"]).abs().max().item() < 1e-6, rank
         assert got["norm_sq"] == pytest.approx(ref["norm_sq"], rel=1e-6), rank
+        assert got["grad_layouts"] == [], rank  # embed_tokens' included: Shard(0), this rank's rows only
         if "residual_shape" in got:  # the residual stream really is a sequence shard: ceil(T / tp) tokens
             assert got["residual_shape"] == (1, -(-ref["logits"].shape[1] // TP), text_cfg().text.hidden_size)
             assert got["norm_grad_placements"] == "(Replicate(),)"  # reduced after backward, not left Partial
@@ -167,6 +182,36 @@ def test_vision_tp_matches_unsharded(sharded):
         assert_grads_close(got["grads"], ref["grads"])
         # plain (norms, merger), Replicate DTensors (row-parallel biases) and shards each counted once
         assert got["norm_sq"] == pytest.approx(ref["norm_sq"], rel=1e-6), rank
+
+
+def _embedding_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from dhp.models.qwen2_5_vl.parallelize import VocabParallelEmbedding
+
+    mesh = DeviceMesh("cpu", list(range(world_size)))
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(5, 3)  # 5 rows on 4 ranks: shards of 2, 2, 1 and 0 (empty) rows
+    parallelize_module(emb, mesh, VocabParallelEmbedding())
+    ids = torch.tensor([[0, 4, 1, 3, 4, 2]])
+    out = emb(ids)
+    (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    g = emb.weight.grad
+    return {"out": out.detach(), "grad": g.full_tensor(), "placements": str(g.placements),
+            "local_rows": g.to_local().shape[0]}
+
+
+def test_vocab_parallel_embedding_uneven_and_empty_shards():
+    torch.manual_seed(0)
+    ref = torch.nn.Embedding(5, 3)
+    ids = torch.tensor([[0, 4, 1, 3, 4, 2]])
+    out = ref(ids)
+    (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    for rank, res in enumerate(run_distributed(_embedding_worker, 4, timeout_s=120)):
+        assert torch.equal(res["out"], out.detach()), rank
+        assert torch.allclose(res["grad"], ref.weight.grad), rank
+        assert res["placements"] == "(Shard(dim=0),)"
+        assert res["local_rows"] == [2, 2, 1, 0][rank]
 
 
 def test_check_tp_names_the_kv_heads():

@@ -16,8 +16,10 @@ text, per decoder layer
                    gradients are summed as DTensors and all-reduced once per sub-layer, as with Megatron's fused
                    weights: 4 all-reduces per layer and step (2 forward, 2 backward), not 7
 text, top level
-    embed_tokens   RowwiseParallel(Replicate in, Replicate out): vocab-parallel table, the output is a full
-                   plain tensor so ``TextModel.embed`` can ``masked_scatter`` image embeddings into it
+    embed_tokens   VocabParallelEmbedding: the [V, D] table sharded on the vocabulary (Shard(0)), each rank looks
+                   up its own rows on the local shard and one all-reduce (forward only) makes the output a full
+                   plain tensor, so ``TextModel.embed`` can ``masked_scatter`` image embeddings into it; the
+                   weight's gradient is this rank's shard only (a Shard(0) DTensor laid out like the weight)
     lm_head        ColwiseParallel(output Shard(-1), DTensor out): logits stay sharded on the vocabulary and
                    ``TextModel.loss_sum`` takes a vocab-parallel cross entropy (``dhp.parallel.tensor``)
 vision, per block
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -49,7 +51,7 @@ from torch.distributed.tensor.parallel import (
 
 from dhp.models.qwen2_5_vl.text import TextModel
 from dhp.models.qwen2_5_vl.vision import VisionTransformer
-from dhp.parallel.tensor import check_tp, check_vision_tp
+from dhp.parallel.tensor import check_tp, check_vision_tp, shard_range
 
 
 def _tp_size(mesh: DeviceMesh) -> int:
@@ -59,9 +61,62 @@ def _tp_size(mesh: DeviceMesh) -> int:
 
 
 # ---- language model -----------------------------------------------------------------------------------------
+class _VocabParallelEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose weight is a ``Shard(0)`` DTensor (vocabulary rows), looked up on the local shard.
+
+    ``RowwiseParallel`` would run the lookup through DTensor, which has no ``Shard(0)`` strategy for
+    ``embedding_dense_backward``: the gradient came out ``Replicate``, the whole [V, D] table on every rank.
+    Here each rank looks up the ids in its own range ``[start, end)`` (others read row 0 and are zeroed), the
+    ``[..., D]`` partial sums are all-reduced in forward (``Partial -> Replicate``, identity backward), and the
+    gradient flows into ``weight.to_local()``: the parameter's ``.grad`` is a ``Shard(0)`` DTensor of this
+    rank's rows only. Uneven shards (V not divisible by tp, even empty ones) follow DTensor's ``torch.chunk``
+    cut (``shard_range``). The mesh is the weight's own (under FSDP2 + TP: the TP mesh of the unsharded
+    parameter)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Embedding's name)
+        weight = self.weight
+        if not isinstance(weight, DTensor):  # not (or no longer) sharded
+            return super().forward(input)
+        if isinstance(input, DTensor):
+            input = input.full_tensor()  # noqa: A001
+        mesh = weight.device_mesh
+        start, end = shard_range(weight.shape[0], mesh)
+        local = weight.to_local()
+        outside = (input < start) | (input >= end)
+        ids = torch.where(outside, torch.zeros_like(input), input - start)
+        if local.shape[0] == 0:  # an empty shard (uneven cut): one zero row to look the masked ids up in
+            local = F.pad(local, (0, 0, 0, 1))
+        out = F.embedding(ids, local).masked_fill(outside.unsqueeze(-1), 0)
+        out = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+        return out.redistribute(mesh, [Replicate()]).to_local()
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """Vocabulary-parallel ``nn.Embedding``: weight ``Shard(0)``, input full (plain) ids, output a full plain
+    tensor equal on every rank (see ``_VocabParallelEmbedding``). One all-reduce of ``[..., D]`` forward, none
+    backward; the weight's gradient is the rank's shard only."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if type(module) is not nn.Embedding and not isinstance(module, _VocabParallelEmbedding):
+            raise NotImplementedError(f"VocabParallelEmbedding shards an nn.Embedding, got {type(module).__name__}")
+        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
+            raise NotImplementedError("VocabParallelEmbedding: padding_idx, max_norm and sparse are not supported")
+        weight = module.weight
+        if not isinstance(weight, DTensor):
+            weight = nn.Parameter(
+                distribute_tensor(weight.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=weight.requires_grad,
+            )
+            module.register_parameter("weight", weight)
+        elif weight.device_mesh != device_mesh or weight.placements != (Shard(0),):
+            raise ValueError(f"VocabParallelEmbedding: weight already a DTensor as {weight.placements}")
+        module.__class__ = _VocabParallelEmbedding
+        return module
+
+
 def text_top_plan() -> dict[str, ParallelStyle]:
     return {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "embed_tokens": VocabParallelEmbedding(),
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
 
@@ -97,7 +152,7 @@ def text_layer_plan() -> dict[str, ParallelStyle]:
 def text_sp_top_plan() -> dict[str, ParallelStyle]:
     """Sequence parallel: the final norm sees a sequence shard; lm_head gathers the sequence, shards the vocab."""
     return {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "embed_tokens": VocabParallelEmbedding(),
         "norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
