@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,6 +215,8 @@ def _read(ckpt: Path, items: list[tuple[str, str, str, Any]]) -> list[torch.Tens
     """The full tensors of ``items`` from their module directories (one DCP read per module)."""
     import torch.distributed.checkpoint as dcp
 
+    from dhp.engine_checkpoint import quiet_single_process
+
     result: dict[int, torch.Tensor] = {}
     by_module: dict[str, list[int]] = {}
     for k, item in enumerate(items):
@@ -225,8 +226,7 @@ def _read(ckpt: Path, items: list[tuple[str, str, str, Any]]) -> list[torch.Tens
                                                                         dtype=items[k][3].properties.dtype)
                               for k in ks}}
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # a one-process read
+            with quiet_single_process():
                 dcp.load(template, checkpoint_id=str(ckpt / module), no_dist=True)
         except Exception as e:  # noqa: BLE001 - DCP raises many types for a bad file
             raise CheckpointError(f"{ckpt / module}: cannot read ({type(e).__name__}: {e})") from None

@@ -37,7 +37,7 @@ from torch import nn
 
 from dhp.config import Config, ConfigError, ParallelConfig
 from dhp.data.batch import Sample, pack
-from dhp.models.spec import EncoderSpec, LanguageSpec, ModuleSpec, ParallelizeOptions
+from dhp.models.spec import EncoderSpec, FamilySpec, LanguageSpec, ModuleSpec, ParallelizeOptions
 from dhp.parallel.layout import Parallel
 
 SampleLoader = Callable[..., Sample]  # (sample_id, pixels: bool) -> Sample
@@ -86,7 +86,7 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], lr: float, weight_de
 
 def build_module(spec: ModuleSpec, model_cfg: Any, seed: int, device: str | torch.device,
                  state: dict[str, torch.Tensor] | None, hf_path: str | None = None,
-                 family: str | None = None) -> nn.Module:
+                 family: FamilySpec | None = None) -> nn.Module:
     """The whole module on one device, unparallelized: built on the meta device, then ``materialize``."""
     with torch.device("meta"):
         module = spec.build(model_cfg)
@@ -96,13 +96,14 @@ def build_module(spec: ModuleSpec, model_cfg: Any, seed: int, device: str | torc
 
 def materialize(spec: ModuleSpec, module: nn.Module, model_cfg: Any, device: str | torch.device, seed: int,
                 state: dict[str, torch.Tensor] | None = None, par: Parallel | None = None,
-                hf_path: str | None = None, family: str | None = None) -> None:
+                hf_path: str | None = None, family: FamilySpec | None = None) -> None:
     """Give a meta-device module (already parallelized, or not) its storage on ``device`` and its weights.
 
     ``to_empty`` allocates each rank's own shards only; the family's ``reset_buffers`` recomputes the
     non-persistent buffers; then every parameter is filled shard-locally: from ``state`` (full tensors, our
     module-local names) when given, else from the HF checkpoint at ``hf_path`` (this rank's slices only, read
-    by the worker itself), else the family's deterministic init from ``seed + spec.seed_offset`` (the whole
+    by the worker itself, names through ``family``'s weight adapter: by default the family of ``hf_path``'s
+    model_type), else the family's deterministic init from ``seed + spec.seed_offset`` (the whole
     model's weights, in any layout). The layout's non-canonical parameters (``spec.layout_transforms``) are
     made whole in the canonical order, transformed, then sliced."""
     from dhp.parallel.materialize import CheckpointError, to_empty
@@ -128,13 +129,16 @@ def materialize(spec: ModuleSpec, module: nn.Module, model_cfg: Any, device: str
         spec.init(module, seed + spec.seed_offset, **({"transforms": transforms} if transforms else {}))
 
 
-def _load_hf(spec: ModuleSpec, module: nn.Module, model_cfg: Any, hf_path: str, family: str | None,
+def _load_hf(spec: ModuleSpec, module: nn.Module, model_cfg: Any, hf_path: str, family: FamilySpec | None,
              transforms: dict) -> None:
     """This rank's slices of ``module``'s tensors, straight from the checkpoint's safetensors files."""
-    from dhp.models.registry import resolve_family
     from dhp.parallel.materialize import SafetensorsSource, load_by_name
 
-    fam = resolve_family(family, hf_path)
+    if family is None:
+        from dhp.models.registry import resolve_family
+
+        family = resolve_family(None, hf_path)
+    fam = family
     if fam.hf_key is None:
         raise ConfigError(f"model.hf_path: model family {fam.name} has no Hugging Face weight adapter (hf_key)")
     prefix = spec.weight_prefix + "."
@@ -154,8 +158,8 @@ def _load(module: nn.Module, state: dict[str, torch.Tensor], transforms: dict | 
 class ModuleEngine:
     """One module, its optimizer and LR schedule, and the process groups of its layout."""
 
-    def __init__(self, spec: ModuleSpec, model_cfg: Any, cfg: Config, par: Parallel | None = None,
-                 device: str = "cpu", state: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, spec: ModuleSpec, family: FamilySpec, model_cfg: Any, cfg: Config,
+                 par: Parallel | None = None, device: str = "cpu") -> None:
         """Builds the module, then the family's ``parallelize`` applies, in this fixed order:
         1. tensor or sequence parallelism, 2. activation checkpointing, 3. ZeRO-3 (FSDP2) over the ranks
         that hold partial gradients; then 4. the optimizer (ZeRO-1: its state sharded over those ranks)."""
@@ -181,8 +185,8 @@ class ModuleEngine:
                                   sequence_parallel=self.mcfg.parallel.sequence_parallel)
         spec.parallelize(self.module, self.par, opts)
         self._set_trainable()  # TP and FSDP2 replace parameters: the flags hold on the new ones too
-        materialize(spec, self.module, model_cfg, self.device, cfg.train.seed, state, self.par,
-                    hf_path=cfg.model.hf_path, family=cfg.model.family)
+        materialize(spec, self.module, model_cfg, self.device, cfg.train.seed, None, self.par,
+                    hf_path=cfg.model.hf_path, family=family)
         named = list({id(p): (n, p) for n, p in self.module.named_parameters()}.values())  # tied weights once
         groups = []
         for scale in sorted({self._group_of(n)[0] for n, _ in named}):
@@ -316,10 +320,9 @@ class EncoderEngine(ModuleEngine):
 
     spec: EncoderSpec
 
-    def __init__(self, spec: EncoderSpec, model_cfg: Any, cfg: Config, load: SampleLoader,
-                 par: Parallel | None = None, device: str = "cpu",
-                 state: dict[str, torch.Tensor] | None = None) -> None:
-        super().__init__(spec, model_cfg, cfg, par, device, state)
+    def __init__(self, spec: EncoderSpec, family: FamilySpec, model_cfg: Any, cfg: Config, load: SampleLoader,
+                 par: Parallel | None = None, device: str = "cpu") -> None:
+        super().__init__(spec, family, model_cfg, cfg, par, device)
         self.load = load
         self.pending: dict[object, tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
@@ -370,13 +373,12 @@ class LanguageEngine(ModuleEngine):
 
     spec: LanguageSpec
 
-    def __init__(self, spec: LanguageSpec, encoders: tuple[EncoderSpec, ...], model_cfg: Any, cfg: Config,
-                 load: SampleLoader, par: Parallel | None = None, device: str = "cpu",
-                 state: dict[str, torch.Tensor] | None = None) -> None:
-        super().__init__(spec, model_cfg, cfg, par, device, state)
-        self.encoders = encoders
+    def __init__(self, family: FamilySpec, model_cfg: Any, cfg: Config, load: SampleLoader,
+                 par: Parallel | None = None, device: str = "cpu") -> None:
+        super().__init__(family.language, family, model_cfg, cfg, par, device)
+        self.encoders = family.encoders
         self.load = load
-        self.encoder_trains = {e.name: encoder_trains(cfg, e) for e in encoders}
+        self.encoder_trains = {e.name: encoder_trains(cfg, e) for e in self.encoders}
 
     def forward_backward(
         self, sample_ids: list[int], pieces: dict[str, dict[int, list[Piece]]]

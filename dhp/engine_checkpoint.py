@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dhp.errors import CheckpointError
 
-__all__ = ["load_engine", "save_engine"]
+__all__ = ["load_engine", "quiet_single_process", "save_engine"]
 
 
 def _named_params(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -102,7 +102,7 @@ def engine_state(engine: Any, rank: int) -> dict[str, Any]:
 def save_engine(engine: Any, path: str | Path, group: Any, rank: int) -> None:
     """Write this rank's shards of the engine to ``path`` (collective over ``group``: every rank calls it)."""
     state = engine_state(engine, rank)
-    with _quiet_single_process():
+    with quiet_single_process():
         dcp.save(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
 
 
@@ -132,7 +132,7 @@ def load_engine(engine: Any, path: str | Path, group: Any, rank: int, step: int,
     if same_layout:
         template["rng"] = {str(rank): torch.get_rng_state()}
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.load(template, checkpoint_id=str(path), process_group=group, no_dist=group is None)
     except Exception as e:  # noqa: BLE001 - DCP wraps a bad file in several exception types
         raise CheckpointError(f"{path}: cannot load this module's shards ({type(e).__name__}: "
@@ -156,8 +156,8 @@ def load_engine(engine: Any, path: str | Path, group: Any, rank: int, step: int,
 
 
 @contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """DCP warns that it 'assumes a single process' when the local backend saves: that is the intent."""
+def quiet_single_process() -> Iterator[None]:
+    """DCP warns that it 'assumes a single process' when one process saves or reads: that is the intent."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield

@@ -10,8 +10,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dhp.config import Config, ConfigError
 from dhp.data.llava import SFTDataset
 from dhp.data.sampler import BatchPlanner
@@ -29,7 +27,6 @@ class RunInputs:
     tokenizer_dir: Path
     train_path: Path
     eval_path: Path | None
-    init_state: dict[str, torch.Tensor] | None  # our-named weights from model.hf_path, or None (random init)
 
 
 def resolve_inputs(cfg: Config) -> RunInputs:
@@ -55,15 +52,8 @@ def resolve_inputs(cfg: Config) -> RunInputs:
         raise
     except (ValueError, FileNotFoundError, KeyError) as e:  # the model config or tokenizer does not fit
         raise ModelError(str(e).strip("'\"")) from None
-    init_state = None  # weights never pass through the driver: each worker reads its own shards (dhp.engine)
-    return RunInputs(cfg, family, model_cfg, tokenizer_dir, train_path, eval_path, init_state)
-
-
-def module_state(state: dict[str, torch.Tensor] | None, prefix: str) -> dict[str, torch.Tensor] | None:
-    """The part of an our-named state dict under ``prefix.`` with the prefix removed."""
-    if state is None:
-        return None
-    return {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+    # no weight is read here: each worker reads its own shards of model.hf_path (dhp.engine.materialize)
+    return RunInputs(cfg, family, model_cfg, tokenizer_dir, train_path, eval_path)
 
 
 def dataset_spec(cfg: Config, tokenizer_dir: Path, path: Path) -> dict:

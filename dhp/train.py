@@ -28,6 +28,7 @@ import torch
 
 from dhp import checkpoint
 from dhp.backends import make_backend
+from dhp.backends.base import process_memory_gb
 from dhp.config import Config, ConfigError, dump_config
 from dhp.data.tokenizer import Tokenizer
 from dhp.errors import CheckpointError, Interrupted
@@ -93,14 +94,6 @@ class MetricsLog:
         if self.scalars is not None:
             self.scalars.close()
         self.file.close()
-
-
-def memory_gb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS of the driver (kB -> GB)
 
 
 # ---- the output directory ----------------------------------------------------------------------
@@ -360,7 +353,7 @@ class Run:
             "grad_norm": stats.grad_norm, "tokens": tokens, "supervised_tokens": stats.supervised_tokens,
             "samples": len(plan.sample_ids), "step_time_s": dt, "tokens_per_s": tokens / dt,
             "samples_per_s": len(plan.sample_ids) / dt,
-            "memory_gb": max(memory_gb(), stats.worker_memory_gb),
+            "memory_gb": max(process_memory_gb(), stats.worker_memory_gb),
             **{f"memory_gb_{m}": v for m, v in stats.memory_gb_by_module.items()},
             "skipped_samples": len(self.dataset.skipped),
             **{f"time_{k}_s": v for k, v in stats.timings.items()},

@@ -47,6 +47,15 @@ class Backend(Protocol):
     def shutdown(self) -> None: ...
 
 
+def process_memory_gb() -> float:
+    """Peak memory of this process: CUDA allocations on a GPU, peak RSS (kB -> GB) otherwise."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def clip_coefficient(grad_norm: float, max_norm: float) -> float:
     """As torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), at most 1; max_norm <= 0 disables."""
     if max_norm <= 0:

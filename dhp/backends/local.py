@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from dhp.backends.base import StepStats, clip_coefficient, global_norm, no_supervised_tokens
+from dhp.backends.base import StepStats, clip_coefficient, global_norm, no_supervised_tokens, process_memory_gb
 from dhp.config import ConfigError
 from dhp.data.llava import SFTDataset
 from dhp.data.sampler import StepPlan
 from dhp.engine import EncoderEngine, LanguageEngine
-from dhp.inputs import RunInputs, module_state
+from dhp.inputs import RunInputs
 
 
 class LocalBackend:
@@ -24,14 +24,8 @@ class LocalBackend:
         cfg, mcfg, family = inputs.cfg, inputs.model_cfg, inputs.family
         self.cfg, self.family = cfg, family
         device = local_device(cfg.train.device)
-        self.encoders = [
-            EncoderEngine(e, mcfg, cfg, dataset.get, device=device, state=module_state(inputs.init_state,
-                                                                                       e.weight_prefix))
-            for e in family.encoders
-        ]
-        lang = family.language
-        self.language = LanguageEngine(lang, family.encoders, mcfg, cfg, dataset.get, device=device,
-                                       state=module_state(inputs.init_state, lang.weight_prefix))
+        self.encoders = [EncoderEngine(e, family, mcfg, cfg, dataset.get, device=device) for e in family.encoders]
+        self.language = LanguageEngine(family, mcfg, cfg, dataset.get, device=device)
         self.engines = [*self.encoders, self.language]
         self.modules = [e.name for e in self.engines]
 
@@ -127,15 +121,6 @@ class LocalBackend:
 
     def shutdown(self) -> None:
         pass
-
-
-def process_memory_gb() -> float:
-    """Peak memory of this process: CUDA allocations on a GPU, peak RSS otherwise."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def local_device(choice: str) -> str:

@@ -39,7 +39,7 @@ from dhp.backends.ray_workers import EncoderWorker, LanguageWorker
 from dhp.config import Config, ConfigError
 from dhp.data.sampler import Round, StepPlan
 from dhp.engine import encoder_trains
-from dhp.inputs import RunInputs, module_state
+from dhp.inputs import RunInputs
 from dhp.models.spec import FamilySpec
 from dhp.runtime import Broadcast, LayoutError, Runtime, WorkerGroup
 from dhp.runtime import ModuleSpec as GroupSpec
@@ -125,10 +125,9 @@ class RayBackend:
             for p in pending:
                 p.get()
             device = "cuda" if rt.gpus_per_worker > 0 else "cpu"
-            states = {spec.name: module_state(inputs.init_state, spec.weight_prefix) for spec in family.modules}
-            base = {"family": family, "model_cfg": inputs.model_cfg, "cfg": cfg, "device": device,
-                    **dataset_spec}
-            pending = [self.group(m).init_engine.submit(base | {"states": {m: states[m]}}) for m in self.modules]
+            engine_spec = {"family": family, "model_cfg": inputs.model_cfg, "cfg": cfg, "device": device,
+                           **dataset_spec}  # weights: each rank materializes or reads its own shards
+            pending = [self.group(m).init_engine.submit(engine_spec) for m in self.modules]
             for p in pending:
                 p.get()
         except LayoutError as e:

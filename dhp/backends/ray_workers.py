@@ -19,13 +19,16 @@ The driver side is ``dhp.backends.ray_backend``.
 
 from __future__ import annotations
 
-import resource
+import os
+import socket
 import time
 from collections import defaultdict
 from typing import Any
 
+import ray
 import torch
 
+from dhp.backends.base import process_memory_gb
 from dhp.engine import EncoderEngine, LanguageEngine, ModuleEngine, Parallel, Piece
 from dhp.parallel.comm import CommCounter
 from dhp.runtime import Collect, Split, WorkerBase, dispatch, produces_tensors
@@ -117,7 +120,7 @@ class EngineWorker(WorkerBase):
             self.engine.step(clip_coef)
         self._timed("optimizer", t0)
         out = {"busy": dict(self.busy), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-               "lr": lr, "memory_gb": _peak_memory_gb(), "comm": self.comm.snapshot(), "spans": self.spans,
+               "lr": lr, "memory_gb": process_memory_gb(), "comm": self.comm.snapshot(), "spans": self.spans,
                "device_name": _device_name(), "threads": torch.get_num_threads()}
         self.spans = []
         self.busy.clear()
@@ -133,11 +136,6 @@ class EngineWorker(WorkerBase):
     @dispatch(split=Split.ALL, collect=Collect.ALL)
     def identity(self) -> dict[str, Any]:
         """Where this rank runs: module, rank, node, pid (for workers.json: find or kill a rank's process)."""
-        import os
-        import socket
-
-        import ray
-
         return {"module": self.module, "rank": self.rank, "node": ray.util.get_node_ip_address(),
                 "hostname": socket.gethostname(), "pid": os.getpid()}
 
@@ -168,9 +166,9 @@ class EncoderWorker(EngineWorker):
 
     @dispatch(split=Split.ALL, collect=Collect.ALL)
     def init_engine(self, spec: dict[str, Any]) -> None:
-        encoder = spec["family"].module(self.module)
-        self.engine = EncoderEngine(encoder, spec["model_cfg"], spec["cfg"], self._dataset(spec).get, par=self.par,
-                                    device=spec["device"], state=spec["states"].get(self.module))
+        family = spec["family"]
+        self.engine = EncoderEngine(family.module(self.module), family, spec["model_cfg"], spec["cfg"],
+                                    self._dataset(spec).get, par=self.par, device=spec["device"])
         self.outputs: dict[Any, dict[int, Piece]] = {}
 
     @dispatch(split=Split.REPLICA, collect=Collect.ALL)
@@ -213,9 +211,8 @@ class LanguageWorker(EngineWorker):
     @dispatch(split=Split.ALL, collect=Collect.ALL)
     def init_engine(self, spec: dict[str, Any]) -> None:
         family = spec["family"]
-        self.engine = LanguageEngine(family.language, family.encoders, spec["model_cfg"], spec["cfg"],
-                                     self._dataset(spec).get, par=self.par, device=spec["device"],
-                                     state=spec["states"].get(self.module))
+        self.engine = LanguageEngine(family, spec["model_cfg"], spec["cfg"], self._dataset(spec).get, par=self.par,
+                                     device=spec["device"])
         self.grads: dict[tuple[Any, str], dict[int, torch.Tensor]] = {}
 
     @dispatch(split=Split.RANK, collect=Collect.REPLICA_HEADS)  # one loss per replica: its head's
@@ -259,7 +256,3 @@ def _device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def _peak_memory_gb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from dhp.errors import UsageError
 
@@ -41,6 +42,13 @@ def _modules(rows: list[dict], prefix: str) -> list[str]:
     return sorted({k[len(prefix):] for r in rows for k in r if k.startswith(prefix)})
 
 
+def _save(plt: Any, fig: Any, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def plot_loss_lr(rows: list[dict], out: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -52,10 +60,7 @@ def plot_loss_lr(rows: list[dict], out: Path) -> Path:
     lr.plot(steps, [r["lr"] for r in rows], color="#DD8452", label="learning rate")
     lr.set_ylabel("learning rate", color="#DD8452")
     ax.set_title("loss and learning rate")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 def plot_throughput_mfu(rows: list[dict], out: Path) -> Path:
@@ -73,10 +78,7 @@ def plot_throughput_mfu(rows: list[dict], out: Path) -> Path:
     b.set_title("MFU per group")
     if _modules(rows, "mfu_"):
         b.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 def plot_memory(rows: list[dict], out: Path) -> Path:
@@ -92,10 +94,7 @@ def plot_memory(rows: list[dict], out: Path) -> Path:
     ax.set_ylabel("peak memory (GB)")
     ax.set_title("memory per group (peak over its ranks)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 def plot_timeline(trace: Path, out: Path) -> Path:
@@ -119,10 +118,7 @@ def plot_timeline(trace: Path, out: Path) -> Path:
     ax.set_xlabel("time (ms)")
     ax.set_title("timeline (trace.json)")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=8, fontsize="small")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 def make_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:

@@ -11,14 +11,24 @@ failures) and this file the calling convention.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import ray
 
 from dhp.runtime.dispatch import DispatchSpec, collect, is_tensor_producer, method_of, spec_of
 
-if TYPE_CHECKING:
-    from dhp.runtime.worker_group import WorkerGroup
+
+class Group(Protocol):
+    """What a bound method needs of its worker group (``WorkerGroup`` is one; this file does not import it)."""
+
+    worker_cls: type
+    module: str
+    n_ranks: int
+    replica_size: int
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]: ...
+    def get(self, method: str, refs: Any, timeout_s: float | None = None, ranks: Any = None) -> list[Any]: ...
+    def wait_tensors(self, method: str, refs: Any, ranks: Any) -> None: ...
 
 
 class Pending:
@@ -31,7 +41,7 @@ class Pending:
     ``Pending`` over a subset of the ranks returns the per-rank list as is.
     """
 
-    def __init__(self, group: WorkerGroup, method: str, refs: list[ray.ObjectRef], ranks: list[int]):
+    def __init__(self, group: Group, method: str, refs: list[ray.ObjectRef], ranks: list[int]):
         if len(refs) != len(ranks):
             raise ValueError(f"{method}: {len(refs)} refs for {len(ranks)} ranks")
         self.group, self.method = group, method
@@ -56,7 +66,7 @@ class Pending:
 class BoundMethod:
     """``group.<method>``: call it to run and collect, ``.submit(...)`` to start only."""
 
-    def __init__(self, group: WorkerGroup, method: str):
+    def __init__(self, group: Group, method: str):
         fn: Callable[..., Any] = method_of(group.worker_cls, method)
         self.group, self.method = group, method
         self.spec: DispatchSpec = spec_of(group.worker_cls, method)
