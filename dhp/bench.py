@@ -20,16 +20,26 @@ separate workers (disaggregated):
 * ``fsdp``: vision and text data parallel W/2 with ZeRO-3 (FSDP2).
 
 PNG bar charts are written beside ``bench.json``.
+
+``--max-vision-tokens --memory-budget-gb G``: instead, for each layout, the largest single image whose
+training step keeps every worker within G (``run_max_vision_tokens``), beside the planner's prediction.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dhp.config import Config, ConfigError, load_config
+
+if TYPE_CHECKING:
+    from dhp.plan.measure import GroupJob
+
+GiB = 1024**3
 
 
 def default_layouts(workers: int) -> dict[str, list[str]]:
@@ -204,3 +214,338 @@ def plot_bench(results: dict[str, Any], out: Path) -> list[Path]:
     plt.close(fig)
     written.append(out / "bench_groups.png")
     return written
+
+
+# ---- --max-vision-tokens: the largest image each layout trains under a per-worker memory budget -----------------
+
+SHORT_TEXT = 64  # text tokens of the probe's sample besides the image's placeholders
+RAM_HEADROOM = 3  # a probe may overshoot the budget (doubling: up to 2x), plus the process itself
+
+
+@dataclass
+class Growth:
+    """One search: the largest size that fit, the first that did not (None: none / the cap fit), the probes."""
+
+    largest: int | None
+    first_failed: int | None
+    probes: list[tuple[int, int]] = field(default_factory=list)  # (vision tokens, peak bytes of the group)
+
+
+def grow(probe: Callable[[int], int], budget: int, start: int, stop: int, step: int) -> Growth:
+    """Double from ``start`` (the last probe capped at ``stop``) while the peak stays within ``budget``,
+    then bisect between the last fit and the first failure until they are ``step`` apart. Every size is a
+    multiple of ``step`` when ``start`` and ``stop`` are; memory is taken as growing with the size (the
+    probes are recorded, so a reader can check)."""
+    out = Growth(None, None)
+
+    def fits(n: int) -> bool:
+        peak = probe(n)
+        out.probes.append((n, peak))
+        return peak <= budget
+
+    n = start
+    while True:
+        if not fits(n):
+            out.first_failed = n
+            break
+        out.largest = n
+        if n >= stop:
+            return out
+        n = min(2 * n, stop)
+    while out.largest is not None and out.first_failed - out.largest > step:
+        mid = out.largest + step * max(1, (out.first_failed - out.largest) // step // 2)
+        if fits(mid):
+            out.largest = mid
+        else:
+            out.first_failed = mid
+    return out
+
+
+def layout_jobs(cfg: Config) -> dict[str, GroupJob]:
+    """The planner's jobs (one per module group) of a layout's config, one sample of one image each."""
+    from dhp.plan.measure import GroupJob
+
+    jobs = {}
+    for name in cfg.modules:
+        if name not in ("vision", "text"):
+            raise ConfigError(f"--max-vision-tokens: the {name} group is not measured (vision and text only)")
+        m = cfg.module(name)
+        p = m.parallel
+        if p.sp > 1 and p.tp > 1:
+            raise ConfigError(f"--max-vision-tokens: {name}.parallel has sp {p.sp} and tp {p.tp}; one of them")
+        inner, kind = (p.sp, "sp") if p.sp > 1 else (p.tp, "tp") if p.tp > 1 else (1, "none")
+        jobs[name] = GroupJob(name, dp=p.dp, inner=inner, inner_kind=kind, zero=p.zero,
+                              activation_checkpointing=m.activation_checkpointing, text_tokens=SHORT_TEXT,
+                              micro_batch_size=1, device="cpu", dtype=cfg.train.dtype, optimizer=cfg.train.optimizer)
+    return jobs
+
+
+def check_max_tokens_args(budget_gb: float | None, start: int, stop: int, step: int | None = None) -> None:
+    """Bad flags, each named; ``step`` (the resolution, known once the model is read) checks the sizes too."""
+    from dhp.errors import UsageError
+
+    if budget_gb is None:
+        raise UsageError("--max-vision-tokens needs --memory-budget-gb (the per-worker budget in GiB; on CPU a "
+                         "figure of the planner's memory tracker, not the machine's RAM)")
+    if not budget_gb > 0:
+        raise UsageError(f"--memory-budget-gb must be > 0 (got {budget_gb:g})")
+    if start < 1:
+        raise UsageError(f"--vision-tokens-start must be >= 1 (got {start})")
+    if start > stop:
+        raise UsageError(f"--vision-tokens-start ({start}) must be <= --vision-tokens-max ({stop})")
+    if step is not None:
+        for flag, n in (("--vision-tokens-start", start), ("--vision-tokens-max", stop)):
+            if n % step:
+                raise UsageError(f"{flag} must be a multiple of {step} vision tokens (one attention window, "
+                                 f"the search's resolution); got {n}")
+
+
+def _check_ram(budget: int, ranks: int) -> None:
+    """A probe's tensors are real: refuse a budget whose failing probe could outgrow this machine's RAM."""
+    from dhp.errors import UsageError
+
+    try:
+        meminfo = Path("/proc/meminfo").read_text().split("\n")
+        free = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return
+    if RAM_HEADROOM * budget * ranks > free:
+        raise UsageError(f"--memory-budget-gb {budget / GiB:g}: {ranks} probe processes at up to {RAM_HEADROOM}x "
+                         f"the budget need more than the {free / GiB:.1f} GiB this machine has free; give a smaller "
+                         "budget")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _search_rank(rank: int, world: int, port: int, out: str, job: GroupJob, model_cfg: Any, family: str,
+                 budget: int, start: int, stop: int, step: int) -> None:
+    """One rank of a group's search (a spawned process in a gloo group of the group's size): every probe is
+    ``measure(fake=False)`` on real tensors; the group's peak is the largest rank's (all-reduced), so every
+    rank takes the same next size."""
+    import os
+    from dataclasses import replace
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from dhp.models.registry import get_family
+    from dhp.plan.measure import measure
+
+    torch.set_num_threads(1)  # the group's ranks share the machine's cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(minutes=10))
+    try:
+        spec, unit = get_family(family), model_cfg.vision.merge_unit
+
+        def probe(tokens: int) -> int:
+            r = measure(replace(job, vision_tokens=tokens * unit), model_cfg, spec, fake=False)
+            peak = torch.tensor([r.peak], dtype=torch.int64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            return int(peak.item())
+
+        g = grow(probe, budget, start, stop, step)
+        if rank == 0:
+            Path(out).write_text(json.dumps({"largest": g.largest, "first_failed": g.first_failed,
+                                             "probes": g.probes}))
+        dist.barrier()  # rank 0 hosts the store: nobody leaves while a peer still needs it
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # gloo's threads do not survive interpreter finalization reliably (see tests/spawn.py)
+
+
+def search_group(job: GroupJob, model_cfg: Any, family: str, budget: int, start: int, stop: int,
+                 step: int) -> Growth:
+    """``grow`` over one group, run by ``job.ranks`` fresh processes in a real gloo group."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="dhp-maxtok-") as d:
+        out = str(Path(d) / "growth.json")
+        mp.start_processes(_search_rank, args=(job.ranks, _free_port(), out, job, model_cfg, family, budget, start,
+                                               stop, step), nprocs=job.ranks, join=True, start_method="spawn")
+        doc = json.loads(Path(out).read_text())
+    return Growth(doc["largest"], doc["first_failed"], [tuple(p) for p in doc["probes"]])
+
+
+def _combine(searches: dict[str, Growth]) -> tuple[int | None, int | None]:
+    """The layout's largest (every group fits) and first failure, from per-group searches."""
+    if any(s.largest is None for s in searches.values()):
+        return None, min(s.first_failed for s in searches.values() if s.largest is None)
+    fails = [s.first_failed for s in searches.values() if s.first_failed is not None]
+    return min(s.largest for s in searches.values()), (min(fails) if fails else None)
+
+
+def measured_max_tokens(jobs: dict[str, GroupJob], model_cfg: Any, family: str, budget: int, start: int, stop: int,
+                        step: int) -> dict[str, Any]:
+    """The groups one after another (vision first); a later group searches only up to what the earlier ones
+    allow (a larger image could not train anyway). A group whose peak at the layout's largest was not among
+    its probes gets one more probe there, so every group's peak at the answer is a measurement."""
+    searches: dict[str, Growth] = {}
+    cap = stop
+    for name in sorted(jobs, key=lambda m: m != "vision"):
+        if start > cap:
+            break
+        searches[name] = search_group(jobs[name], model_cfg, family, budget, start, cap, step)
+        if searches[name].largest is None:
+            break
+        cap = min(cap, searches[name].largest)
+    largest, failed = _combine(searches)
+    peaks: dict[str, int] = {}
+    if largest is not None:
+        for name, job in jobs.items():
+            seen = dict(searches[name].probes)
+            if largest not in seen:
+                extra = search_group(job, model_cfg, family, budget, largest, largest, step)
+                searches[name].probes += extra.probes
+                seen = dict(searches[name].probes)
+            peaks[name] = seen[largest]
+    return {"largest": largest, "first_failed": failed, "peaks": peaks,
+            "probes": {m: s.probes for m, s in searches.items()}}
+
+
+def planner_max_tokens(name: str, cfg: Config, jobs: dict[str, GroupJob], model_cfg: Any, budget: int, start: int,
+                       stop: int, step: int) -> dict[str, dict[str, Any]]:
+    """The planner's answers by the same search on its fake runs (``planner.measure_all``), two ways:
+    ``one_micro_batch``, the fake run's per-rank peak itself (the probe's accounting: the fake counterpart of
+    the measurement), and ``planner``, ``planner.evaluate``'s verdict for this placement (a disaggregated encoder
+    also holds one micro-batch ahead, a collocated rank the other group's state)."""
+    from dataclasses import replace
+
+    from dhp.plan.devices import get_device
+    from dhp.plan.planner import Row, evaluate, measure_all
+
+    unit, gpus = model_cfg.vision.merge_unit, sum(j.ranks for j in jobs.values())
+    cache: dict[int, dict[str, dict[str, int]]] = {}
+
+    def peaks(tokens: int) -> dict[str, dict[str, int]]:
+        """{"one_micro_batch": {group: bytes}, "planner": {group: bytes}} at this size (fake runs once)."""
+        if tokens not in cache:
+            js = {m: replace(j, vision_tokens=tokens * unit) for m, j in jobs.items()}
+            res = measure_all([js["vision"]], model_cfg, workers=1)
+            if res[js["vision"]].peak > budget:  # fails either way (the verdict only adds to a group's peak)
+                cache[tokens] = {k: {"vision": res[js["vision"]].peak} for k in ("one_micro_batch", "planner")}
+                return cache[tokens]
+            res |= measure_all([j for m, j in js.items() if m != "vision"], model_cfg, workers=1)
+            r = Row(name, tokens * unit, js["vision"].activation_checkpointing, js, placement=cfg.runtime.placement)
+            r = evaluate(r, res, get_device("h100"), gpus, budget / GiB, SHORT_TEXT)  # the device: time only
+            cache[tokens] = {"one_micro_batch": {m: res[j].peak for m, j in js.items()},
+                             "planner": {m: round(g["peak_gb"] * GiB) for m, g in r.groups.items()}}
+        return cache[tokens]
+
+    out = {}
+    for kind in ("one_micro_batch", "planner"):
+        g = grow(lambda n, kind=kind: max(peaks(n)[kind].values()), budget, start, stop, step)
+        at = peaks(g.largest)[kind] if g.largest is not None else {}
+        out[kind] = {"vision_tokens": g.largest, "first_failed": g.first_failed,
+                     "peak_gb": {m: b / GiB for m, b in at.items()}}
+    return out
+
+
+def run_max_vision_tokens(config: str | Path | None, overrides: list[str], layouts: dict[str, list[str]],
+                          budget_gb: float, start: int, stop: int) -> dict[str, Any]:
+    """For each layout, the largest single image (in vision tokens, 4 patches each) whose training step keeps
+    every worker's tracked peak within ``budget_gb``; ``bench.json``'s ``max_vision_tokens``, a chart and the
+    table "largest vision sequence per layout", each beside the planner's prediction.
+
+    How a probe runs, and why so: each module group of the layout is run as its own real gloo process group
+    of its size (vision SP 2: two processes), through ``dhp.plan.measure.measure(fake=False)``: the family's
+    build and ``parallelize`` (Ulysses SP, TP, FSDP2, checkpointing), the engine's optimizer, one sample's
+    forward and backward and the optimizer step, on real tensors, under the planner's own tracker
+    (``MemTracker`` / ``FSDPMemTracker``) -- the code ``dhp train`` runs for that layout, one rank's figure
+    exactly as the planner takes it, so the two can be compared. Not a Ray ``dhp train`` per probe: that
+    costs seconds of start-up per probe, needs a data set with an image of each size, and its CPU memory
+    figure is the process's, not the tracked one. A group's search runs inside one set of processes (the
+    ranks agree on the next size by all-reducing their peak), so a search costs one process start. On CPU the
+    budget is a tracked figure: the search stops growing once a probe's tracked peak exceeds it, and a budget
+    whose failing probe (at most 2x the last fit) could outgrow the machine's free RAM is refused."""
+    from dhp.inputs import resolve_inputs
+
+    check_max_tokens_args(budget_gb, start, stop)
+    budget = round(budget_gb * GiB)
+    base = load_config(config, overrides)
+    out = Path(base.output.dir)
+    cfgs = {name: layout_config(config, overrides, layout, name, out, 1, 0) for name, layout in layouts.items()}
+    inputs = resolve_inputs(base)
+    model_cfg, family = inputs.model_cfg, inputs.family.name
+    step = model_cfg.vision.window_merged ** 2
+    check_max_tokens_args(budget_gb, start, stop, step)
+    jobs = {name: layout_jobs(cfg) for name, cfg in cfgs.items()}
+    _check_ram(budget, max(j.ranks for js in jobs.values() for j in js.values()))
+    found: dict[str, Any] = {}
+    for name, cfg in cfgs.items():
+        print(f"dhp bench: --max-vision-tokens: layout {name}: {' '.join(layouts[name])}", flush=True)
+        m = measured_max_tokens(jobs[name], model_cfg, family, budget, start, stop, step)
+        found[name] = {
+            "overrides": layouts[name], "vision_tokens": m["largest"],
+            "patches": m["largest"] * model_cfg.vision.merge_unit if m["largest"] else None,
+            "first_failed": m["first_failed"], "budget_gb": budget_gb, "resolution": step,
+            "groups": {g: {"ranks": jobs[name][g].ranks, "peak_gb": p / GiB} for g, p in m["peaks"].items()},
+            "probes": {g: [{"vision_tokens": n, "peak_gb": p / GiB, "fits": p <= budget} for n, p in ps]
+                       for g, ps in m["probes"].items()},
+            **planner_max_tokens(name, cfg, jobs[name], model_cfg, budget, start, stop, step),
+        }
+    results = {"budget_gb": budget_gb, "vision_tokens_start": start, "vision_tokens_max": stop,
+               "text_tokens": SHORT_TEXT, "memory": "tracked (torch.distributed._tools MemTracker), CPU",
+               "layouts": found}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench.json"
+    doc = json.loads(path.read_text()) if path.is_file() else {}
+    doc["max_vision_tokens"] = results
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    results["plot"] = str(plot_max_tokens(results, out))
+    print_max_tokens(results)
+    print(f"dhp bench: {path} (max_vision_tokens); chart: {results['plot']}", flush=True)
+    return results
+
+
+def print_max_tokens(results: dict[str, Any]) -> None:
+    def n(x: int | None) -> str:
+        return "-" if x is None else str(x)
+
+    res = results["layouts"]
+    modules = sorted({g for r in res.values() for g in r["groups"]} | {"text", "vision"})
+    print(f"largest vision sequence per layout (one image + {results['text_tokens']} text tokens per sample; "
+          f"budget {results['budget_gb']:g} GiB per worker, {results['memory']})")
+    head = (f"{'layout':<12} {'vision tok':>10} {'patches':>8} {'failed at':>9} "
+            + " ".join(f"{m + ' GiB':>10}" for m in modules) + f" {'plan 1-mb':>9} {'plan':>6}")
+    print(head)
+    for name, r in res.items():
+        peaks = " ".join(f"{r['groups'].get(m, {}).get('peak_gb', float('nan')):>10.4f}" for m in modules)
+        print(f"{name:<12} {n(r['vision_tokens']):>10} {n(r['patches']):>8} {n(r['first_failed']):>9} {peaks} "
+              f"{n(r['one_micro_batch']['vision_tokens']):>9} {n(r['planner']['vision_tokens']):>6}")
+    print(f"(measured to {next(iter(res.values()))['resolution']} vision tokens; plan 1-mb: the planner's fake run "
+          "of the same step; plan: `dhp plan`'s verdict, which adds what the placement holds besides)")
+
+
+def plot_max_tokens(results: dict[str, Any], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = results["layouts"]
+    names = list(res)
+    series = [("measured", lambda r: r["vision_tokens"]), ("planner, same step", lambda r:
+              r["one_micro_batch"]["vision_tokens"]), ("planner verdict", lambda r: r["planner"]["vision_tokens"])]
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for j, (label, get) in enumerate(series):
+        ax.bar([i + j * width for i in range(len(names))], [get(res[n]) or 0 for n in names], width, label=label)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(names))])
+    ax.set_xticklabels(names)
+    ax.set_ylabel("vision tokens (one image)")
+    ax.set_title(f"largest vision sequence per layout ({results['budget_gb']:g} GiB per worker)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "bench_max_vision_tokens.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

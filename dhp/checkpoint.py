@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from dhp.errors import CheckpointError
+from dhp.parallel.materialize import split_fused
 
 COMPLETE = "COMPLETE"
 RECORD = "trainer.json"
@@ -193,7 +194,7 @@ def export_hf(ckpt: Path, out: Path, family: Any, model_cfg: Any, tokenizer_dir:
         for (_, _, full, _), t in zip(shard, tensors, strict=True):
             t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
             out_dtype = out_dtype or t.dtype
-            named[family.hf_key(full)] = t.contiguous()
+            named.update({k: v.contiguous() for k, v in split_fused(family.hf_key(full), t).items()})
         name = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(named, str(out / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(named, name))

@@ -77,10 +77,11 @@ def human_count(n: float) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from dhp.models.registry import UnknownFamily, get_family
+    from dhp.models.registry import UnknownFamily, get_family, resolve_family
 
-    try:
-        family = get_family(args.family)
+    try:  # unset --family: the checkpoint's model_type, else the family with that preset
+        family = get_family(args.family) if args.family else resolve_family(
+            None, args.model if (Path(args.model) / "config.json").is_file() else None, args.model)
     except UnknownFamily as e:
         raise ConfigError(f"--family: {str(e).removeprefix('model.family: ')}") from None
     presets = ", ".join(family.presets) or "none"
@@ -134,7 +135,7 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     cfg = _config(args)
     inputs = resolve_inputs(cfg)
     try:
-        ds = open_dataset(dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path))
+        ds = open_dataset(dataset_spec(inputs, inputs.train_path))
     except DataError as e:  # the report: every problem listed in the error (up to MAX_LISTED_ISSUES)
         head, *rest = str(e).splitlines() or [""]
         print("\n".join([f"dhp: {e.label}: {head}", *(f"  {ln}" for ln in rest)]), file=sys.stderr)
@@ -224,9 +225,13 @@ def _ray_startup_messages(show: bool) -> None:
         logging.getLogger(name).setLevel(logging.NOTSET if show else level)
 
 
+MAX_TOKENS_START, MAX_TOKENS_STOP = 256, 65536  # `dhp bench --max-vision-tokens`: vision tokens of the first probe, cap
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Train each layout in turn on the same config; bench.json and charts in output.dir."""
-    from dhp.bench import parse_layouts, run_bench
+    """Train each layout in turn on the same config; bench.json and charts in output.dir. With
+    --max-vision-tokens: each layout's largest single image under a per-worker memory budget instead."""
+    from dhp.bench import check_max_tokens_args, parse_layouts, run_bench, run_max_vision_tokens
 
     config, overrides = args.config, list(args.overrides)
     if config is None and not overrides:
@@ -238,7 +243,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         config = default_config_path()
     if args.steps < 1 or args.warmup < 0:
         raise UsageError("--steps must be >= 1 and --warmup >= 0")
-    run_bench(config, overrides, parse_layouts(args.layouts, args.workers), args.steps, args.warmup)
+    search_flags = {"--memory-budget-gb": args.memory_budget_gb, "--vision-tokens-start": args.vision_tokens_start,
+                    "--vision-tokens-max": args.vision_tokens_max}
+    if not args.max_vision_tokens:
+        given = [f for f, v in search_flags.items() if v is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: only with --max-vision-tokens")
+        run_bench(config, overrides, parse_layouts(args.layouts, args.workers), args.steps, args.warmup)
+        return 0
+    start = MAX_TOKENS_START if args.vision_tokens_start is None else args.vision_tokens_start
+    stop = MAX_TOKENS_STOP if args.vision_tokens_max is None else args.vision_tokens_max
+    check_max_tokens_args(args.memory_budget_gb, start, stop)  # before any layout is read
+    run_max_vision_tokens(config, overrides, parse_layouts(args.layouts, args.workers), args.memory_budget_gb,
+                          start, stop)
     return 0
 
 
@@ -282,8 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_train)
     i = sub.add_parser("info", help="parameter counts of a preset (built on the meta device) or an HF directory",
                        parents=[common], epilog=_epilog(), formatter_class=fmt)
-    i.add_argument("model", help="tiny | 3b | 7b | 32b | 72b | path to a Hugging Face checkpoint")
-    i.add_argument("--family", default="qwen2_5_vl", help="model family (default: qwen2_5_vl)")
+    i.add_argument("model", help="tiny | 3b | 7b | 32b | 72b | omni-tiny | omni-3b | omni-7b | path to a Hugging "
+                                 "Face checkpoint")
+    i.add_argument("--family", default=None, help="model family (default: the family of the preset, or qwen2_5_vl)")
     i.set_defaults(fn=cmd_info)
     d = sub.add_parser("data", help="data tools", parents=[common])
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -315,6 +333,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=3, help="measured steps per layout (default 3)")
     b.add_argument("--warmup", type=int, default=1, help="steps run first and left out (default 1)")
     b.add_argument("--workers", type=int, default=4, help="workers per layout, W/2 per group (default 4)")
+    b.add_argument("--max-vision-tokens", action="store_true",
+                   help="instead of training: per layout, grow one image until a worker's peak exceeds "
+                        "--memory-budget-gb; report the largest that trains (bench.json: max_vision_tokens)")
+    b.add_argument("--memory-budget-gb", type=float, default=None,
+                   help="per-worker budget in GiB for --max-vision-tokens (CPU: the planner's tracked peak)")
+    b.add_argument("--vision-tokens-start", type=int, default=None,
+                   help=f"first probe, vision tokens (4 patches each; default {MAX_TOKENS_START})")
+    b.add_argument("--vision-tokens-max", type=int, default=None,
+                   help=f"largest probe, vision tokens (default {MAX_TOKENS_STOP})")
     b.set_defaults(fn=cmd_bench)
     rp = sub.add_parser("report", help="PNG plots of a run (loss, lr, tokens/s, MFU, memory, timeline)",
                         parents=[common], epilog=_epilog(), formatter_class=fmt)
@@ -356,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print("dhp: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `dhp info 7b | head`: the reader left; nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 0
     except Exception as e:  # noqa: BLE001 - every error ends here, as one line (the traceback with --debug)
         if debug:
             traceback.print_exc()

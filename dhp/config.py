@@ -39,6 +39,7 @@ class DataConfig:
     video_max_frames: int = 768
     video_max_pixels: int = 768 * 28 * 28  # per frame (min: data.min_pixels)
     video_total_pixels: int = int(128000 * 28 * 28 * 0.9)  # per clip: each frame gets its share
+    max_audio_seconds: float = 30.0  # a longer audio clip is an error (named), or skipped; at most 30 (Whisper's)
     max_length: int = 2048
     on_error: Literal["raise", "skip"] = "raise"
     eval_samples: int = 200  # at most this many held-out samples are evaluated
@@ -163,6 +164,8 @@ class Config:
         _check(self.data.max_length > 0, "data.max_length", "must be > 0")
         _check(0 < self.data.min_pixels <= self.data.max_pixels, "data.min_pixels",
                f"must be > 0 and <= data.max_pixels ({self.data.max_pixels})")
+        _check(0 < self.data.max_audio_seconds <= 30, "data.max_audio_seconds",
+               "must be in (0, 30]: the audio encoder reads at most one 30-second Whisper window per clip")
         _check(self.runtime.encoders_ahead >= 0, "runtime.encoders_ahead", "must be >= 0")
         _check(t.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0 (0: no periodic checkpoints)")
         _check(t.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0: keep all)")
@@ -319,7 +322,7 @@ def build_config(raw: dict[str, Any]) -> Config:
     fixed = {k: v for k, v in raw.items() if k in FIXED_SECTIONS}
     cfg = _build(Config, fixed, prefix="")
     try:
-        family = resolve_family(cfg.model.family, cfg.model.hf_path)
+        family = resolve_family(cfg.model.family, cfg.model.hf_path, cfg.model.preset)
     except UnknownFamily as e:
         raise ConfigError(str(e)) from None
     modules = family.module_names

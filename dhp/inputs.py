@@ -6,6 +6,7 @@ trainer: it imports no backend), so none of them imports another's file.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from dhp.config import Config, ConfigError
 from dhp.data.llava import SFTDataset
 from dhp.data.sampler import BatchPlanner
 from dhp.data.tokenizer import Tokenizer
-from dhp.errors import DhpError, ModelError
+from dhp.errors import DataError, DhpError, ModelError
 from dhp.models.registry import resolve_family
 from dhp.models.spec import FamilySpec
 
@@ -28,6 +29,12 @@ class RunInputs:
     train_path: Path
     eval_path: Path | None
 
+    @property
+    def positions(self) -> Any:
+        """A sample's position ids in the family's rotary layout (picklable, for workers); None: Qwen2.5-VL's."""
+        hook = self.family.position_ids
+        return None if hook is None else functools.partial(hook, self.model_cfg)
+
 
 def resolve_inputs(cfg: Config) -> RunInputs:
     """Fill in the demo data set and tokenizer where the config leaves them unset; read the model config."""
@@ -35,17 +42,17 @@ def resolve_inputs(cfg: Config) -> RunInputs:
     train_path = Path(data.path) if data.path else None
     eval_path = Path(data.eval_path) if data.eval_path else None
     tokenizer_dir = Path(data.tokenizer) if data.tokenizer else None
-    if train_path is None:
-        from dhp.data.demo import ensure_demo_dataset
-
-        demo = ensure_demo_dataset()
+    family = resolve_family(cfg.model.family, cfg.model.hf_path, cfg.model.preset)
+    if train_path is None:  # the family's demo set (Qwen2.5-VL: digits; Qwen2.5-Omni: digits and dial tones)
+        if family.demo_data is None:
+            raise ConfigError(f"data.path: set it to a training data file (the {family.name} family has no demo set)")
+        demo = family.demo_data()
         train_path, eval_path = demo / "train.jsonl", eval_path or demo / "eval.jsonl"
         tokenizer_dir = tokenizer_dir or demo / "tokenizer"
     if tokenizer_dir is None:
         if not cfg.model.hf_path:
             raise ConfigError("data.tokenizer: set it to a directory with tokenizer.json (or set model.hf_path)")
         tokenizer_dir = Path(cfg.model.hf_path)
-    family = resolve_family(cfg.model.family, cfg.model.hf_path)
     try:
         model_cfg = family.model_config(cfg, Tokenizer(tokenizer_dir))
     except DhpError:
@@ -56,10 +63,10 @@ def resolve_inputs(cfg: Config) -> RunInputs:
     return RunInputs(cfg, family, model_cfg, tokenizer_dir, train_path, eval_path)
 
 
-def dataset_spec(cfg: Config, tokenizer_dir: Path, path: Path) -> dict:
+def dataset_spec(inputs: RunInputs, path: Path) -> dict:
     """What a worker needs to open the same data set and address samples by the same ids."""
-    return {"data_cfg": replace(cfg.data, path=str(path)), "tokenizer_dir": str(tokenizer_dir), "path": str(path),
-            "validated": None}
+    return {"data_cfg": replace(inputs.cfg.data, path=str(path)), "tokenizer_dir": str(inputs.tokenizer_dir),
+            "path": str(path), "validated": None, "positions": inputs.positions}
 
 
 def open_dataset(spec: dict) -> SFTDataset:
@@ -68,7 +75,20 @@ def open_dataset(spec: dict) -> SFTDataset:
     driver's result, handed to workers) the image headers are not read again, and every worker
     indexes exactly the samples the driver planned with."""
     return SFTDataset(spec["data_cfg"], Tokenizer(spec["tokenizer_dir"]), path=spec["path"],
-                      validated=spec["validated"])
+                      validated=spec["validated"], positions=spec.get("positions"))
+
+
+def check_modalities(family: FamilySpec, dataset: SFTDataset) -> None:
+    """Every kind of media in the data has an encoder in the family (an audio clip given to Qwen2.5-VL would
+    otherwise be read as plain tokens)."""
+    read = {m for enc in family.encoders for m in enc.modalities}
+    if "audio" in read:
+        return
+    with_audio = [dataset.source_index(i) for i in range(len(dataset)) if dataset.info(i).audio_frames]
+    if with_audio:
+        raise DataError(f"{dataset.file}: {len(with_audio)} sample(s) carry audio (the first: sample {with_audio[0]}) "
+                        f"but the {family.name} family has no audio encoder; set model.family=qwen2_5_omni, or "
+                        "drop the audio")
 
 
 def module_costs(family: FamilySpec, model_cfg: Any, dataset: SFTDataset) -> dict[str, list[float]]:
@@ -108,7 +128,8 @@ class Prepared:
 def prepare(cfg: Config) -> Prepared:
     """Everything before the first step that needs no worker: inputs, validated data, the plan."""
     inputs = resolve_inputs(cfg)
-    spec = dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path)
+    spec = dataset_spec(inputs, inputs.train_path)
     dataset = open_dataset(spec)
+    check_modalities(inputs.family, dataset)
     spec["validated"] = dataset.validation  # workers reuse it instead of reading every header again
     return Prepared(inputs, dataset, spec, make_planner(inputs, dataset))

@@ -422,7 +422,7 @@ class Run:
             from dhp.evaluate import evaluate
 
             model = family.full_model(inputs.model_cfg, family.load_hf_state(final))  # the driver holds it for eval
-            eval_ds = open_dataset(dataset_spec(cfg, inputs.tokenizer_dir, inputs.eval_path))
+            eval_ds = open_dataset(dataset_spec(inputs, inputs.eval_path))
             summary["eval"] = evaluate(model, eval_ds, Tokenizer(inputs.tokenizer_dir), cfg.data.eval_samples,
                                        cfg.data.max_new_tokens)
         if not cfg.output.save_final and final.exists() and "checkpoint" in summary:

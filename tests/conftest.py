@@ -26,3 +26,11 @@ def demo_overrides(demo_data, tmp_path):
         f"output.dir={tmp_path / 'run'}",
         "runtime.backend=local",  # the embedded default runs on Ray; tests that want Ray say so
     ]
+
+
+@pytest.fixture(scope="session")
+def omni_demo_data(tmp_path_factory):
+    """A small audio demo set (dial tones, digit pictures, Omni tokenizer), built once per session."""
+    from dhp.data.omni_demo import make_omni_demo_dataset
+
+    return make_omni_demo_dataset(tmp_path_factory.mktemp("omni_demo"), seed=0, n_train=48, n_eval=16)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dhp.data.audio import audio_tokens
 from dhp.data.processor import MERGE_SIZE, PATCH_DIM
 
 IGNORE_INDEX = -100
@@ -29,6 +30,9 @@ class Sample:
     pixel_values_videos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, PATCH_DIM))  # [Nv, 1176]
     video_grid_thw: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 3, dtype=torch.long))  # [V, 3]
     second_per_grid_ts: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [V] float32 seconds
+    # audio clips: log-mel frames [128, F_total] (clips concatenated in time; [128, 0] when loaded without media)
+    audio_features: torch.Tensor = field(default_factory=lambda: torch.zeros(128, 0))
+    audio_feature_lens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [A] frames
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +57,15 @@ class Sample:
     def num_video_tokens(self) -> int:
         """Merged video tokens (``<|video_pad|>`` slots)."""
         return self.num_video_patches // (MERGE_SIZE * MERGE_SIZE)
+
+    @property
+    def audio_token_counts(self) -> list[int]:
+        """Audio placeholder tokens per clip (``<|AUDIO|>`` slots): two stride-2 stages over the mel frames."""
+        return [audio_tokens(int(n)) for n in self.audio_feature_lens]
+
+    @property
+    def num_audio_tokens(self) -> int:
+        return sum(self.audio_token_counts)
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:

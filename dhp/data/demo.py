@@ -114,7 +114,7 @@ def _make_item(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, po
     if kind == "single":
         idx = int(rng.choice(pool))
         side = int(rng.integers(56, 71))
-        _save(_render(rng, pix[idx], side, side), images / f"{name}.png")
+        _save(render_digit(rng, pix[idx], side, side), images / f"{name}.png")
         prompt = "<image>\n" + str(rng.choice(SINGLE_PROMPTS))
         return _item(name, [f"images/{name}.png"], prompt, str(labels[idx]), [idx])
     if kind == "pair":
@@ -122,14 +122,14 @@ def _make_item(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, po
         paths = []
         for j, i in enumerate(idx):
             side = int(rng.integers(56, 141))
-            _save(_render(rng, pix[i], side, side), images / f"{name}_{j}.png")
+            _save(render_digit(rng, pix[i], side, side), images / f"{name}_{j}.png")
             paths.append(f"images/{name}_{j}.png")
         answer = " ".join(str(labels[i]) for i in idx)
         return _item(name, paths, "<image>\n<image>\n" + str(rng.choice(PAIR_PROMPTS)), answer, idx)
     n = int(rng.integers(2, 4))
     idx = rng.choice(pool, size=n)
     cell = 56  # two or three cells: 112 or 168 px wide, the latter spanning two 112-px attention windows
-    collage = np.concatenate([_render(rng, pix[i], cell, cell) for i in idx], axis=1)
+    collage = np.concatenate([render_digit(rng, pix[i], cell, cell) for i in idx], axis=1)
     _save(collage, images / f"{name}.png")
     answer = " ".join(str(labels[i]) for i in idx)
     return _item(name, [f"images/{name}.png"], "<image>\n" + str(rng.choice(COLLAGE_PROMPTS)), answer, idx)
@@ -142,7 +142,7 @@ def _make_clip(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, po
     from dhp.data.video import write_clip
 
     idx = rng.choice(pool, size=int(rng.integers(2, 5)))
-    frames = [_render(rng, pix[i], VIDEO_SIDE, VIDEO_SIDE) for i in idx for _ in range(2)]
+    frames = [render_digit(rng, pix[i], VIDEO_SIDE, VIDEO_SIDE) for i in idx for _ in range(2)]
     write_clip(root / "videos" / f"{name}.mp4", np.stack(frames), fps=VIDEO_FPS)
     answer = " ".join(str(labels[i]) for i in idx)
     return {"id": name, "digits": [int(i) for i in idx], "video": f"videos/{name}.mp4",
@@ -160,7 +160,7 @@ def _item(name: str, image_paths: list[str], prompt: str, answer: str, sources: 
     return item
 
 
-def _render(rng: np.random.Generator, digit: np.ndarray, height: int, width: int) -> np.ndarray:
+def render_digit(rng: np.random.Generator, digit: np.ndarray, height: int, width: int) -> np.ndarray:
     """An 8x8 digit (0..16) scaled to 85-100% of ``height``, near the centre of a noisy dark canvas [H, W] uint8."""
     size = min(height, width, int(height * rng.uniform(0.85, 1.0)))
     glyph = Image.fromarray((digit * (255.0 / 16.0)).astype(np.uint8), "L").resize((size, size), Image.BICUBIC)

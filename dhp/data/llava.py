@@ -13,6 +13,9 @@ relative to ``data.image_root`` (default: the data file's folder).
 Videos (``docs/video.md``) work the same way: ``<video>`` tags (or ``{"type":
 "video"}`` parts) and a ``video`` (one clip) or ``videos`` (a list of clips)
 entry, each clip a video file (mp4, webm, avi) or a list of frame images.
+Audio (``docs/audio.md``, Qwen2.5-Omni) too: ``<audio>`` tags (or ``{"type":
+"audio"}`` parts) and an ``audio`` or ``audios`` entry of WAV/FLAC/OGG files,
+read and resampled to 16 kHz; the token count comes from the file header.
 
 Why a pre-flight check: a broken sample found at step 10,000 of a multi-node
 run wastes the run. ``SFTDataset`` validates every sample when it is built
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,10 +40,11 @@ import torch
 from PIL import Image
 
 from dhp.config import DataConfig
+from dhp.data.audio import AudioError, features, probe_audio
 from dhp.data.batch import Sample
 from dhp.data.mrope import rope_index
 from dhp.data.processor import PATCH_DIM, grid_thw_for_size, process_image, smart_resize
-from dhp.data.tokenizer import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Tokenizer
+from dhp.data.tokenizer import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Tokenizer
 from dhp.data.video import TOKENS_PER_SECOND, VideoError, VideoSettings, probe, process_video
 from dhp.errors import DataError
 from dhp.models.spec import SampleInfo
@@ -71,6 +76,7 @@ class _Record:
     images: list[Path]
     problem: str | None = None  # a structural problem found while parsing
     videos: list[Path | list[Path]] = field(default_factory=list)  # a file, or a list of frame images
+    audios: list[Path] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -81,15 +87,18 @@ class ValidationResult:
     grids: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)  # record -> (t, h, w) per image
     token_counts: dict[int, dict[int, int]] = field(default_factory=dict)  # record -> {special token id: count}
     video_grids: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)  # record -> per clip
+    audio_frames: dict[int, tuple[int, ...]] = field(default_factory=dict)  # record -> log-mel frames per clip
 
 
 class SFTDataset:
     """LLaVA-style SFT samples -> ``Sample`` (ids, labels, M-RoPE positions, pixels); indexes only good samples."""
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, path: str | Path | None = None,
-                 validated: ValidationResult | None = None) -> None:
+                 validated: ValidationResult | None = None,
+                 positions: Callable[[Sample], torch.Tensor] | None = None) -> None:
         """``validated``: the outcome of validating this same file (``self.validation``), e.g. from the driver,
-        so that workers opening the data set do not read every image header again."""
+        so that workers opening the data set do not read every image header again. ``positions``: a sample's
+        position ids [3, L] (the model family's rotary layout); unset: Qwen2.5-VL's M-RoPE."""
         if path is None:
             path = cfg.path
         if path is None:
@@ -105,6 +114,8 @@ class SFTDataset:
         self._grids: dict[int, tuple[tuple[int, int, int], ...]] = {}
         self._token_counts: dict[int, dict[int, int]] = {}
         self._video_grids: dict[int, tuple[tuple[int, int, int], ...]] = {}
+        self._audio_frames: dict[int, tuple[int, ...]] = {}
+        self.positions = positions
         self.video = VideoSettings.from_data(cfg)
         self.skipped: list[DataIssue] = []
         if validated is not None:
@@ -114,6 +125,7 @@ class SFTDataset:
             self._lengths = dict(validated.lengths)
             self._grids, self._token_counts = dict(validated.grids), dict(validated.token_counts)
             self._video_grids = dict(validated.video_grids)
+            self._audio_frames = dict(validated.audio_frames)
             issues = list(validated.issues)
         else:
             issues = self.validate()
@@ -133,7 +145,7 @@ class SFTDataset:
     def validation(self) -> ValidationResult:
         """What validation found: hand it to another process opening the same file."""
         return ValidationResult(len(self._records), dict(self._lengths), list(self.skipped), dict(self._grids),
-                                dict(self._token_counts), dict(self._video_grids))
+                                dict(self._token_counts), dict(self._video_grids), dict(self._audio_frames))
 
     # ---- indexing ---------------------------------------------------------------------
     def __len__(self) -> int:
@@ -158,7 +170,7 @@ class SFTDataset:
         so that its cost and token count include video patches."""
         k = self._good[i]
         grids = self._grids.get(k, ()) + self._video_grids.get(k, ())
-        return SampleInfo(i, self._lengths[k], grids, self._token_counts.get(k, {}))
+        return SampleInfo(i, self._lengths[k], grids, self._token_counts.get(k, {}), self._audio_frames.get(k, ()))
 
     def __getitem__(self, i: int) -> Sample:
         return self.get(i)
@@ -198,23 +210,53 @@ class SFTDataset:
             seconds.append(plan.second_per_grid)
         video_grid_thw = torch.tensor(video_grids, dtype=torch.long).reshape(-1, 3)
         second_per_grid_ts = torch.tensor(seconds, dtype=torch.float32)
-        ids, labels = self.tokenizer.encode_conversation(rec.messages, counts,
-                                                         video_token_counts=[t * h * w // 4 for t, h, w in video_grids])
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        positions = rope_index(input_ids[None], grid_thw, self.tokenizer.image_pad_id, self.tokenizer.vision_start_id,
-                               video_grid_thw=video_grid_thw, video_token_id=self.tokenizer.video_pad_id,
-                               second_per_grid_ts=second_per_grid_ts, tokens_per_second=TOKENS_PER_SECOND)
-        return Sample(
+        audio_features, audio_lens = self._audio(rec, pixels)
+        sample = Sample(
             index=i,
-            input_ids=input_ids,
-            labels=torch.tensor(labels, dtype=torch.long),
-            position_ids=positions[:, 0],
+            input_ids=torch.zeros(0, dtype=torch.long),
+            labels=torch.zeros(0, dtype=torch.long),
+            position_ids=torch.zeros(3, 0, dtype=torch.long),
             pixel_values=torch.cat(values) if values else torch.zeros(0, PATCH_DIM),
             image_grid_thw=grid_thw,
             pixel_values_videos=torch.cat(video_values) if video_values else torch.zeros(0, PATCH_DIM),
             video_grid_thw=video_grid_thw,
             second_per_grid_ts=second_per_grid_ts,
+            audio_features=audio_features,
+            audio_feature_lens=audio_lens,
         )
+        ids, labels = self.tokenizer.encode_conversation(rec.messages, counts,
+                                                         video_token_counts=[t * h * w // 4 for t, h, w in video_grids],
+                                                         audio_token_counts=sample.audio_token_counts)
+        sample.input_ids = torch.tensor(ids, dtype=torch.long)
+        sample.labels = torch.tensor(labels, dtype=torch.long)
+        if self.positions is not None:
+            sample.position_ids = self.positions(sample)
+        else:
+            sample.position_ids = rope_index(
+                sample.input_ids[None], grid_thw, self.tokenizer.image_pad_id, self.tokenizer.vision_start_id,
+                video_grid_thw=video_grid_thw, video_token_id=self.tokenizer.video_pad_id,
+                second_per_grid_ts=second_per_grid_ts, tokens_per_second=TOKENS_PER_SECOND)[:, 0]
+        return sample
+
+    def _audio(self, rec: _Record, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The record's audio clips: log-mel frames [128, F_total] (empty without ``decode``) and frames per clip
+        (from validation, so both sides of a run agree without decoding)."""
+        frames = self._audio_frames.get(rec.index, ())
+        lens = torch.tensor(frames, dtype=torch.long).reshape(-1)
+        if not decode or not rec.audios:
+            return torch.zeros(128, 0), lens
+        mels = []
+        for path, n in zip(rec.audios, frames, strict=True):
+            try:
+                mel, _ = features(path)
+            except (AudioError, OSError) as e:
+                raise DataError(f"{self.file} sample {rec.index}: audio {path} cannot be processed ({e}); fix or "
+                                "remove the file, or drop the sample") from e
+            if mel.shape[1] != n:
+                raise DataError(f"{self.file} sample {rec.index}: audio {path} changed since validation "
+                                f"({mel.shape[1]} frames, {n} before)")
+            mels.append(mel)
+        return torch.cat(mels, dim=1), lens
 
     # ---- pre-flight check -------------------------------------------------------------
     def validate(self) -> list[DataIssue]:
@@ -243,10 +285,25 @@ class SFTDataset:
             if problem:
                 problems.append(problem)
             video_grids.append(grid)
+        audio_frames: list[int] = []
+        audio_tokens: list[int] = []
+        for path in rec.audios:
+            info, problem = self._audio_info(path)
+            if problem:
+                problems.append(problem)
+            else:
+                audio_frames.append(info.feature_frames)
+                audio_tokens.append(info.num_tokens)
+        if rec.audios and not problems and not self.tokenizer.has_audio:
+            problems.append(f"{len(rec.audios)} audio clip(s), but the tokenizer {self.tokenizer.path} has no audio "
+                            "tokens; train an audio model (model.family=qwen2_5_omni) with its tokenizer")
         if problems:
             return problems
         ids, _ = self.tokenizer.encode_conversation(rec.messages, [t * h * w // 4 for t, h, w in grids],
-                                                    video_token_counts=[t * h * w // 4 for t, h, w in video_grids])
+                                                    video_token_counts=[t * h * w // 4 for t, h, w in video_grids],
+                                                    audio_token_counts=audio_tokens)
+        if audio_frames:
+            self._audio_frames[rec.index] = tuple(audio_frames)
         self._lengths[rec.index] = len(ids)
         self._grids[rec.index] = tuple(grids)
         if video_grids:
@@ -258,6 +315,25 @@ class SFTDataset:
             return [f"{len(ids)} {LONGER_THAN}={self.cfg.max_length} (samples are never "
                     f"truncated); raise data.max_length, lower {lower}, or shorten the sample"]
         return []
+
+    def _audio_info(self, path: Path) -> tuple[Any, str | None]:
+        """The clip's header facts (duration, mel frames, tokens), or a problem: missing, unreadable, empty, too
+        long."""
+        if not path.is_file():
+            return None, (f"audio file {path} does not exist; fix the path (relative to {self.image_root}) or add "
+                          "it")
+        try:
+            info = probe_audio(path)
+        except AudioError as e:
+            return None, str(e) if str(path) in str(e) else f"audio {path}: {e}"
+        if info.num_tokens == 0:
+            return None, (f"audio {path} lasts {info.seconds * 1000:.0f} ms: too short for one audio token (the "
+                          "encoder needs more than 20 ms); drop the clip or the sample")
+        limit = self.cfg.max_audio_seconds
+        if info.seconds > limit:
+            return None, (f"audio {path} lasts {info.seconds:.2f} s, longer than data.max_audio_seconds={limit:g} "
+                          "(clips are never cut); cut the clip, or raise data.max_audio_seconds (at most 30)")
+        return info, None
 
     def _video_grid(self, clip: Path | list[Path]) -> tuple[tuple[int, int, int], str | None]:
         """A clip's (t, h, w) patch grid from its container header (or first frame), without decoding; or a
@@ -333,6 +409,10 @@ def _check_conversation(rec: _Record) -> list[str]:
     if n_vid != len(rec.videos):
         problems.append(f"{n_vid} {VIDEO_PLACEHOLDER} placeholder{'s' if n_vid != 1 else ''} but "
                         f"{len(rec.videos)} video{'s' if len(rec.videos) != 1 else ''}; make them equal")
+    n_aud = sum(m["content"].count(AUDIO_PLACEHOLDER) for m in rec.messages)
+    if n_aud != len(rec.audios):
+        problems.append(f"{n_aud} {AUDIO_PLACEHOLDER} placeholder{'s' if n_aud != 1 else ''} but "
+                        f"{len(rec.audios)} audio clip{'s' if len(rec.audios) != 1 else ''}; make them equal")
     return problems
 
 
@@ -385,10 +465,11 @@ def _record(index: int, item: Any, error: str | None, image_root: Path) -> _Reco
         listed = _image_list(item)
         listed_videos = _video_list(item)
         videos = listed_videos
+        audios = _audio_list(item)
         if "conversations" in item:
             messages, paths = _from_llava(item["conversations"]), listed
         elif "messages" in item:
-            messages, paths, videos = _from_messages(item["messages"], listed, listed_videos)
+            messages, paths, videos, audios = _from_messages(item["messages"], listed, listed_videos, audios)
         else:
             raise ValueError("no 'conversations' or 'messages' key; use one of the forms in the README (data forms)")
         system = item.get("system")
@@ -401,9 +482,23 @@ def _record(index: int, item: Any, error: str | None, image_root: Path) -> _Reco
         images = [_local_image(p, image_root) for p in paths]
         clips = [[_local_image(f, image_root, "video frame") for f in v] if isinstance(v, list)
                  else _local_image(v, image_root, "video") for v in videos]
+        sounds = [_local_image(a, image_root, "audio") for a in audios]
     except ValueError as e:
         return _Record(index, [], [], str(e))
-    return _Record(index, messages, images, videos=clips)
+    return _Record(index, messages, images, videos=clips, audios=sounds)
+
+
+def _audio_list(item: dict[str, Any]) -> list[str]:
+    """The sample's ``audio`` (one path, or a list) or ``audios`` entry: audio file paths, in order."""
+    key = "audio" if "audio" in item else "audios"
+    value = item.get(key)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ValueError(f"'{key}' must be an audio file path or a list of paths, got {value!r:.60}")
 
 
 def _video_list(item: dict[str, Any]) -> list[str | list[str]]:
@@ -469,8 +564,8 @@ def _from_llava(turns: Any) -> list[dict[str, str]]:
     return out
 
 
-def _from_messages(messages: Any, listed: list[str], listed_videos: list | None = None
-                   ) -> tuple[list[dict[str, str]], list[str], list]:
+def _from_messages(messages: Any, listed: list[str], listed_videos: list | None = None,
+                   listed_audios: list[str] | None = None) -> tuple[list[dict[str, str]], list[str], list, list[str]]:
     """Chat messages with string content (``<image>`` tags) or HF chat content (a list of parts); their images.
 
     Images in order of appearance: an image part naming its file (``image``, ``path``, ``url``, ``image_url``)
@@ -480,8 +575,10 @@ def _from_messages(messages: Any, listed: list[str], listed_videos: list | None 
     out: list[dict[str, str]] = []
     images: list[str] = []
     videos: list = []
+    audios: list = []
     pending = iter(listed)
     pending_videos = iter(listed_videos or [])
+    pending_audios = iter(listed_audios or [])
     for k, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise ValueError(f"message {k} must be an object with 'role' and 'content'")
@@ -493,6 +590,7 @@ def _from_messages(messages: Any, listed: list[str], listed_videos: list | None 
         if isinstance(content, str):
             images += [next(pending, None) for _ in range(content.count(IMAGE_PLACEHOLDER))]
             videos += [next(pending_videos, None) for _ in range(content.count(VIDEO_PLACEHOLDER))]
+            audios += [next(pending_audios, None) for _ in range(content.count(AUDIO_PLACEHOLDER))]
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
             text = []
@@ -505,6 +603,10 @@ def _from_messages(messages: Any, listed: list[str], listed_videos: list | None 
                     text.append(VIDEO_PLACEHOLDER)
                     videos.append(source if source is not None else next(pending_videos, None))
                     continue
+                if kind == "audio":
+                    text.append(AUDIO_PLACEHOLDER)
+                    audios.append(source if source is not None else next(pending_audios, None))
+                    continue
                 text.append(IMAGE_PLACEHOLDER)
                 images.append(source if source is not None else next(pending, None))
             out.append({"role": role, "content": "".join(text)})
@@ -513,12 +615,13 @@ def _from_messages(messages: Any, listed: list[str], listed_videos: list | None 
                              "({'type': 'text', 'text': ...}, {'type': 'image'})")
     # a count mismatch leaves a gap or a rest: _check_conversation reports it (placeholders vs images)
     return (out, [x for x in images if x is not None] + list(pending),
-            [x for x in videos if x is not None] + list(pending_videos))
+            [x for x in videos if x is not None] + list(pending_videos),
+            [x for x in audios if x is not None] + list(pending_audios))
 
 
 def _part(part: Any, k: int, j: int) -> tuple[str, Any]:
-    """("text", its text), ("image", its file or None) or ("video", its file, frame list or None) of one part of
-    HF chat content."""
+    """("text", its text), ("image", its file or None), ("video", its file, frame list or None) or ("audio", its
+    file or None) of one part of HF chat content."""
     where = f"message {k} part {j}"
     if not isinstance(part, dict):
         raise ValueError(f"{where}: expected an object like {{'type': 'text', 'text': ...}}, got {part!r:.60}")
@@ -526,7 +629,8 @@ def _part(part: Any, k: int, j: int) -> tuple[str, Any]:
     if kind == "text" or (kind is None and "text" in part):
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where}: a text part needs a string 'text'")
-        for tag, kind_name in ((IMAGE_PLACEHOLDER, "image"), (VIDEO_PLACEHOLDER, "video")):
+        for tag, kind_name in ((IMAGE_PLACEHOLDER, "image"), (VIDEO_PLACEHOLDER, "video"),
+                               (AUDIO_PLACEHOLDER, "audio")):
             if tag in part["text"]:
                 raise ValueError(f"{where}: an {tag} tag inside a text part; give the {kind_name} as a {kind_name} "
                                  f"part ({{'type': '{kind_name}'}}) instead")
@@ -553,4 +657,18 @@ def _part(part: Any, k: int, j: int) -> tuple[str, Any]:
                                  f"got {value!r:.60}")
             return "video", value
         return "video", None
-    raise ValueError(f"{where}: unknown part type {kind!r}; use 'text', 'image' or 'video'")
+    if kind == "input_audio":
+        raise ValueError(f"{where}: an inline (base64 input_audio) clip; dhp reads audio files only: save it as a WAV "
+                         "or FLAC file and give it as {'type': 'audio', 'audio': PATH}")
+    if kind == "audio" or (kind is None and "audio" in part):
+        for key in ("audio", "path", "url", "audio_url"):
+            value = part.get(key)
+            if isinstance(value, dict) and key == "audio_url":
+                value = value.get("url")
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: '{key}' must be the audio file's path, got {value!r:.60}")
+            return "audio", value
+        return "audio", None
+    raise ValueError(f"{where}: unknown part type {kind!r}; use 'text', 'image', 'video' or 'audio'")

@@ -21,20 +21,30 @@ from dhp.errors import ModelError
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
-_MEDIA = re.compile("(<image>|<video>)")
+AUDIO_PLACEHOLDER = "<audio>"
+_MEDIA = re.compile("(<image>|<video>|<audio>)")
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 ROLES = ("system", "user", "assistant")
 
+# attribute -> the token's spellings: Qwen2.5-VL's first, then Qwen2.5-Omni's (same ids, other names)
 SPECIAL_TOKENS = {
-    "pad_id": "<|endoftext|>",
-    "im_start_id": "<|im_start|>",
-    "im_end_id": "<|im_end|>",
-    "vision_start_id": "<|vision_start|>",
-    "vision_end_id": "<|vision_end|>",
-    "vision_pad_id": "<|vision_pad|>",
-    "image_pad_id": "<|image_pad|>",
-    "video_pad_id": "<|video_pad|>",
+    "pad_id": ("<|endoftext|>",),
+    "im_start_id": ("<|im_start|>",),
+    "im_end_id": ("<|im_end|>",),
+    "vision_start_id": ("<|vision_start|>", "<|vision_bos|>"),
+    "vision_end_id": ("<|vision_end|>", "<|vision_eos|>"),
+    "vision_pad_id": ("<|vision_pad|>",),
+    "image_pad_id": ("<|image_pad|>", "<|IMAGE|>"),
+    "video_pad_id": ("<|video_pad|>", "<|VIDEO|>"),
 }
+# Qwen2.5-Omni's audio tokens: optional (a Qwen2.5-VL tokenizer has none)
+AUDIO_TOKENS = {
+    "audio_pad_id": "<|AUDIO|>",
+    "audio_start_id": "<|audio_bos|>",
+    "audio_end_id": "<|audio_eos|>",
+}
+OMNI_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
+                       "<|vision_bos|>", "<|vision_eos|>", "<|vision_pad|>", "<|IMAGE|>", "<|VIDEO|>")
 
 # Qwen2's pre-tokenizer split (digits one by one, words, punctuation runs, newlines).
 QWEN_SPLIT_PATTERN = (
@@ -53,6 +63,15 @@ QWEN2_5_VL_CHAT_TEMPLATE = (
     "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
     "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
     "<|im_start|>assistant\n{% endif %}"
+)
+
+
+# Qwen2.5-Omni's layout of the same conversations: its token names, and audio blocks.
+QWEN2_5_OMNI_CHAT_TEMPLATE = (
+    QWEN2_5_VL_CHAT_TEMPLATE.replace("<|vision_start|>", "<|vision_bos|>").replace("<|vision_end|>", "<|vision_eos|>")
+    .replace("<|image_pad|>", "<|IMAGE|>").replace("<|video_pad|>", "<|VIDEO|>")
+    .replace("{% elif 'text' in content %}", "{% elif content['type'] == 'audio' or 'audio' in content %}"
+             "<|audio_bos|><|AUDIO|><|audio_eos|>{% elif 'text' in content %}")
 )
 
 
@@ -75,6 +94,9 @@ class Tokenizer:
     image_pad_id: int
     video_pad_id: int
     pad_id: int
+    audio_pad_id: int | None
+    audio_start_id: int | None
+    audio_end_id: int | None
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -86,14 +108,16 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(str(file))
         self._tok.no_padding()
         self._tok.no_truncation()
-        for attr, token in SPECIAL_TOKENS.items():
-            tid = self._tok.token_to_id(token)
+        for attr, spellings in SPECIAL_TOKENS.items():
+            tid = next((t for t in map(self._tok.token_to_id, spellings) if t is not None), None)
             if tid is None:
                 raise TokenizerError(
-                    f"tokenizer {self.path}: special token {token} is missing from the vocabulary; "
-                    "use a Qwen2/Qwen2.5-VL tokenizer or add the token"
+                    f"tokenizer {self.path}: special token {' or '.join(spellings)} is missing from the vocabulary; "
+                    "use a Qwen2.5-VL or Qwen2.5-Omni tokenizer or add the token"
                 )
             setattr(self, attr, tid)
+        for attr, token in AUDIO_TOKENS.items():
+            setattr(self, attr, self._tok.token_to_id(token))
 
     @property
     def vocab_size(self) -> int:
@@ -108,6 +132,18 @@ class Tokenizer:
             "vision_start_token_id": self.vision_start_id,
             "vision_end_token_id": self.vision_end_id,
         }
+
+    @property
+    def has_audio(self) -> bool:
+        return None not in (self.audio_pad_id, self.audio_start_id, self.audio_end_id)
+
+    def audio_token_ids(self) -> dict[str, int]:
+        """The audio token ids of a model config (Qwen2.5-Omni's names); raises TokenizerError without them."""
+        if not self.has_audio:
+            raise TokenizerError(f"tokenizer {self.path} has no audio tokens ({', '.join(AUDIO_TOKENS.values())}); "
+                                 "use a Qwen2.5-Omni tokenizer")
+        return {"audio_token_id": self.audio_pad_id, "audio_start_token_id": self.audio_start_id,
+                "audio_end_token_id": self.audio_end_id}
 
     def special_ids(self) -> list[int]:
         """Ids of every added special token (placeholders among them), in id order."""
@@ -130,21 +166,28 @@ class Tokenizer:
         image_token_counts: Sequence[int],
         add_generation_prompt: bool = False,
         video_token_counts: Sequence[int] = (),
+        audio_token_counts: Sequence[int] = (),
     ) -> tuple[list[int], list[int]]:
         """ChatML ids of a conversation, as Qwen2.5-VL's template + processor produce them, and their labels.
 
         Each ``<image>`` in the text becomes ``<|vision_start|>`` + ``<|image_pad|>`` x N + ``<|vision_end|>``
         with N = ``image_token_counts[k]`` for the k-th image; each ``<video>`` likewise with ``<|video_pad|>``
-        and ``video_token_counts``. Labels are -100 except on assistant replies and their ``<|im_end|>``. With
+        and ``video_token_counts``; each ``<audio>`` becomes ``<|audio_bos|>`` + ``<|AUDIO|>`` x N +
+        ``<|audio_eos|>`` (Qwen2.5-Omni) with ``audio_token_counts``. Labels are -100 except on assistant
+        replies and their ``<|im_end|>``. With
         ``add_generation_prompt`` the ids end with ``<|im_start|>assistant\\n`` (for generation; then the last
         message should not be the assistant's).
         """
         for tag, counts, what in ((IMAGE_PLACEHOLDER, image_token_counts, "images"),
-                                  (VIDEO_PLACEHOLDER, video_token_counts, "videos")):
+                                  (VIDEO_PLACEHOLDER, video_token_counts, "videos"),
+                                  (AUDIO_PLACEHOLDER, audio_token_counts, "audio clips")):
             n_placeholders = sum(m["content"].count(tag) for m in messages)
             if n_placeholders != len(counts):
                 raise ValueError(f"{n_placeholders} {tag} placeholders but {len(counts)} {what}")
-        counts = {IMAGE_PLACEHOLDER: iter(image_token_counts), VIDEO_PLACEHOLDER: iter(video_token_counts)}
+        if audio_token_counts and not self.has_audio:
+            self.audio_token_ids()  # raises: this tokenizer cannot write audio blocks
+        counts = {IMAGE_PLACEHOLDER: iter(image_token_counts), VIDEO_PLACEHOLDER: iter(video_token_counts),
+                  AUDIO_PLACEHOLDER: iter(audio_token_counts)}
         ids: list[int] = []
         labels: list[int] = []
         for seg_text, sup_from in chat_segments(messages, add_generation_prompt):
@@ -165,8 +208,7 @@ class Tokenizer:
         pos = 0
         for k, piece in enumerate(_MEDIA.split(text)):
             if k % 2:  # a placeholder
-                pad = self.image_pad_id if piece == IMAGE_PLACEHOLDER else self.video_pad_id
-                block = [self.vision_start_id] + [pad] * next(counts[piece]) + [self.vision_end_id]
+                block = self._media_block(piece, next(counts[piece]))
                 ids += block
                 labels += [IGNORE_INDEX] * len(block)
                 pos += len(piece)
@@ -177,6 +219,14 @@ class Tokenizer:
             labels += [t if e > sup_from else IGNORE_INDEX for t, e in zip(enc.ids, ends, strict=True)]
             pos += len(piece)
         return ids, labels
+
+
+    def _media_block(self, tag: str, n: int) -> list[int]:
+        """The ids a placeholder tag expands to: start token, ``n`` pad tokens, end token."""
+        if tag == AUDIO_PLACEHOLDER:
+            return [self.audio_start_id] + [self.audio_pad_id] * n + [self.audio_end_id]
+        pad = self.image_pad_id if tag == IMAGE_PLACEHOLDER else self.video_pad_id
+        return [self.vision_start_id] + [pad] * n + [self.vision_end_id]
 
 
 def chat_segments(messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> list[tuple[str, int]]:
@@ -219,8 +269,10 @@ def render_chat(messages: Sequence[dict[str, str]], add_generation_prompt: bool 
 # ---- the demo tokenizer ----------------------------------------------------------------
 
 
-def build_demo_tokenizer(out_dir: str | Path, texts: Sequence[str], vocab_size: int = 384) -> Path:
+def build_demo_tokenizer(out_dir: str | Path, texts: Sequence[str], vocab_size: int = 384, omni: bool = False) -> Path:
     """Train a small byte-level BPE (Qwen's pre-tokenizer, any text round-trips) on ``texts``; Qwen's specials last.
+
+    ``omni``: Qwen2.5-Omni's special tokens (its names for the vision tokens, and the audio tokens) and chat template.
 
     Writes ``tokenizer.json`` and ``tokenizer_config.json`` into ``out_dir`` and returns it. Deterministic.
     """
@@ -241,16 +293,17 @@ def build_demo_tokenizer(out_dir: str | Path, texts: Sequence[str], vocab_size: 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    clean = [t.replace(IMAGE_PLACEHOLDER, " ").replace(VIDEO_PLACEHOLDER, " ") for t in texts]
+    clean = [_MEDIA.sub(" ", t) for t in texts]
     tok.train_from_iterator(sorted(set(clean)), trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS.values()])
+    specials = OMNI_SPECIAL_TOKENS if omni else [names[0] for names in SPECIAL_TOKENS.values()]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tok.save(str(out / "tokenizer.json"), pretty=False)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "model_max_length": 32768,
-        "chat_template": QWEN2_5_VL_CHAT_TEMPLATE,
+        "chat_template": QWEN2_5_OMNI_CHAT_TEMPLATE if omni else QWEN2_5_VL_CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out

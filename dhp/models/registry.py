@@ -15,7 +15,10 @@ from pathlib import Path
 from dhp.models.spec import FamilySpec
 
 DEFAULT_FAMILY = "qwen2_5_vl"
-_BUILTIN = {"qwen2_5_vl": "dhp.models.qwen2_5_vl.family:FAMILY"}
+_BUILTIN = {
+    "qwen2_5_vl": "dhp.models.qwen2_5_vl.family:FAMILY",
+    "qwen2_5_omni": "dhp.models.qwen2_5_omni.family:FAMILY",
+}
 _registered: dict[str, FamilySpec] = {}
 
 
@@ -64,8 +67,15 @@ def family_for_model_type(model_type: str) -> FamilySpec:
                         f"({', '.join(family_names())}); set model.family")
 
 
-def resolve_family(family: str | None, hf_path: str | None) -> FamilySpec:
-    """``model.family`` when set, else the family of ``model.hf_path``'s model_type, else the default."""
+def family_of_preset(preset: str) -> FamilySpec | None:
+    """The family with a preset of that name (``omni-7b``: Qwen2.5-Omni), the default family first; or None."""
+    names = [DEFAULT_FAMILY] + [n for n in family_names() if n != DEFAULT_FAMILY]
+    return next((spec for spec in map(get_family, names) if preset in spec.presets), None)
+
+
+def resolve_family(family: str | None, hf_path: str | None, preset: str | None = None) -> FamilySpec:
+    """``model.family`` when set, else the family of ``model.hf_path``'s model_type, else the family with
+    ``model.preset``, else the default."""
     if family:
         return get_family(family)
     if hf_path:
@@ -74,4 +84,8 @@ def resolve_family(family: str | None, hf_path: str | None) -> FamilySpec:
             model_type = json.loads(config.read_text()).get("model_type")
             if model_type:
                 return family_for_model_type(model_type)
+    if preset and not hf_path:
+        found = family_of_preset(preset)
+        if found is not None:
+            return found
     return get_family(DEFAULT_FAMILY)

@@ -39,6 +39,7 @@ class SampleInfo:
     num_tokens: int  # tokens in the language model's sequence
     image_grids: tuple[tuple[int, int, int], ...] = ()  # (t, h, w) patches per image
     token_counts: dict[int, int] = field(default_factory=dict)  # special token id -> occurrences
+    audio_frames: tuple[int, ...] = ()  # log-mel frames per audio clip (100 per second)
 
 
 @dataclass
@@ -108,6 +109,7 @@ class EncoderSpec(ModuleSpec):
     # next id's), ``num_tokens`` their sum. Unset: the one placeholder ``token_id``.
     token_ids: Callable[[Any], tuple[int, ...]] | None = None  # (model_cfg) -> placeholder ids
     token_counts: Callable[[Any, Any], tuple[int, ...]] | None = None  # (Sample, model_cfg) -> count per id
+    modalities: tuple[str, ...] = ()  # the media kinds of a sample it reads ("image", "video", "audio")
 
     def placeholder_ids(self, model_cfg: Any) -> tuple[int, ...]:
         return self.token_ids(model_cfg) if self.token_ids else (self.token_id(model_cfg),)
@@ -144,6 +146,10 @@ class FamilySpec:
     hf_config: Callable[[Any, torch.dtype], dict] | None = None  # (model_cfg, dtype) -> HF config.json contents
     tied: Callable[[Any], dict[str, str]] | None = None  # (model_cfg) -> {our key: the key it shares storage with}
     preset_config: Callable[[str], Any] | None = None  # (preset name) -> model config, no tokenizer needed
+    # (model_cfg, sample) -> position ids [3, L] of a dhp.data.batch.Sample (its ids, grids, audio lengths);
+    # unset: Qwen2.5-VL's M-RoPE (dhp.data.mrope.rope_index)
+    position_ids: Callable[[Any, Any], torch.Tensor] | None = None
+    demo_data: Callable[[], Path] | None = None  # () -> a folder with train.jsonl, eval.jsonl and tokenizer/
 
     @property
     def modules(self) -> tuple[ModuleSpec, ...]:

@@ -337,11 +337,31 @@ def _header(file: Path) -> dict[str, Any]:
     return header
 
 
+FUSED = "|"  # "a|b|c": a checkpoint key naming one tensor stored as several, concatenated on dim 0
+
+
+def fused_parts(key: str) -> list[str]:
+    """The checkpoint keys behind ``key``: itself, or the parts of a fused key (``"a|b|c"``, e.g. one fused qkv
+    weight of ours that a checkpoint stores as separate q, k and v)."""
+    return key.split(FUSED)
+
+
+def split_fused(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{checkpoint key: tensor}`` for writing: a fused key's tensor cut into equal parts along dim 0."""
+    parts = fused_parts(key)
+    if len(parts) == 1:
+        return {key: tensor}
+    if tensor.shape[0] % len(parts):
+        raise CheckpointError(f"cannot split {list(tensor.shape)} into {len(parts)} equal parts {parts}")
+    return dict(zip(parts, tensor.chunk(len(parts)), strict=True))
+
+
 class SafetensorsSource:
     """A Hugging Face checkpoint directory: ``model.safetensors``, or shards named by the index.
 
     Each read opens the tensor's file, reads the requested region (``safe_open(...).get_slice(key)[box]``) and
-    closes it again, so no more of the file stays mapped than the read touched."""
+    closes it again, so no more of the file stays mapped than the read touched. A fused key (``"a|b|c"``) reads
+    as the parts concatenated on dim 0, each part's rows read only where the box needs them."""
 
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
@@ -349,9 +369,10 @@ class SafetensorsSource:
         self._shapes: dict[str, tuple[int, ...]] = {}
 
     def has(self, key: str) -> bool:
-        return key in self.map
+        return all(k in self.map for k in fused_parts(key))
 
     def where(self, key: str | None = None) -> str:
+        key = None if key is None else fused_parts(key)[0]
         return str(self.dir / self.map[key]) if key is not None and key in self.map else self.index
 
     def _file(self, key: str) -> Path:
@@ -361,6 +382,12 @@ class SafetensorsSource:
         return file
 
     def shape(self, key: str) -> tuple[int, ...]:
+        shapes = [self._shape(k) for k in fused_parts(key)]
+        if len(shapes) > 1 and len({s[1:] for s in shapes}) != 1:
+            raise CheckpointError(f"tensors {fused_parts(key)} have shapes {shapes}: they do not concatenate on dim 0")
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+    def _shape(self, key: str) -> tuple[int, ...]:
         if key not in self._shapes:
             file = self._file(key)
             header = _header(file)
@@ -372,6 +399,23 @@ class SafetensorsSource:
         return self._shapes[key]
 
     def read(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
+        parts = fused_parts(key)
+        if len(parts) == 1:
+            return self._read(key, box)
+        rows = box[0] if box else slice(None)
+        start, stop, step = rows.indices(self.shape(key)[0])
+        if step != 1:
+            raise CheckpointError(f"strided read of fused tensor {key}")
+        pieces, offset = [], 0
+        for part in parts:
+            n = self._shape(part)[0]
+            lo, hi = max(start, offset), min(stop, offset + n)
+            if lo < hi:
+                pieces.append(self._read(part, (slice(lo - offset, hi - offset), *box[1:])))
+            offset += n
+        return torch.cat(pieces)
+
+    def _read(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
         from safetensors import safe_open
 
         with safe_open(str(self._file(key)), framework="pt") as f:

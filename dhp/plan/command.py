@@ -17,9 +17,11 @@ def model_config(name: str) -> Any:
     p = Path(name)
     if p.is_dir():
         p = p / "config.json"
-    if p.is_file():
-        return Qwen2_5_VLConfig.from_hf_dict(json.loads(p.read_text()))
-    return preset(name)
+    d = json.loads(p.read_text()) if p.is_file() else {}
+    if name.startswith("omni-") or str(d.get("model_type", "")).startswith("qwen2_5_omni"):
+        raise ValueError(f"{name}: dhp plan models Qwen2.5-VL's two groups (vision, text); Qwen2.5-Omni's audio "
+                         "group is not in its search yet: give a Qwen2.5-VL preset or checkpoint")
+    return Qwen2_5_VLConfig.from_hf_dict(d) if d else preset(name)
 
 
 def table(rows: list[Row], limit: float) -> str:
@@ -37,7 +39,12 @@ def table(rows: list[Row], limit: float) -> str:
 
 
 def run_plan(args: Any) -> int:
-    model_cfg = model_config(args.model)
+    try:
+        model_cfg = model_config(args.model)
+    except (ValueError, KeyError) as e:
+        from dhp.errors import ModelError
+
+        raise ModelError(str(e).strip("'\"")) from None
     dev = get_device(args.device, args.peak_tflops)
     limit = args.gpu_memory_gb or dev.memory_gb
     tokens = [int(x) for x in str(args.vision_tokens).split(",") if x]

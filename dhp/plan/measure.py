@@ -144,19 +144,23 @@ def _real():
 # ---- the fake world ---------------------------------------------------------------------------------------------
 
 
-def _fake_world(job: GroupJob, spec_parallel: Any, fake: bool = True):
+def _fake_world(job: GroupJob, spec_parallel: Any, fake: bool = True, joining: bool = False):
     """A fake default group of the group's size, the runtime's mesh groups and DeviceMesh over it (made
     outside FakeTensorMode), and this rank's ``Parallel``. ``fake=False``: the same over the default group
-    already there (a real multi-process run of ``job.ranks`` processes, the tests' check of the prediction)."""
+    already there (a real multi-process run of ``job.ranks`` processes, the tests' check of the prediction).
+    ``joining``: a second group on the same ranks (collocated) joins the fake group already there."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from dhp.parallel.layout import Parallel
     from dhp.runtime.mesh import ModuleLayout, create_mesh_groups, device_mesh
 
-    if fake:
+    if fake and not (dist.is_initialized() and dist.get_backend() == "fake" and dist.get_world_size() == job.ranks
+                     and joining):
         if dist.is_initialized():
             dist.destroy_process_group()
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=job.ranks)
+        backend, rank = "fake", 0
+    elif fake:
         backend, rank = "fake", 0
     else:
         assert dist.get_world_size() == job.ranks, (dist.get_world_size(), job.ranks)
@@ -486,6 +490,7 @@ def _micro_batch(eng: Any, job: GroupJob, model_cfg: Any, tracker: Any) -> tuple
     with eng.autocast():
         embeds, _ = eng.spec.encode(eng.module, samples, eng.par, eng.device)
         embeds = embeds.float()
+    del samples  # the engine's forward drops its samples on return: what stays is what the graph saved
     after = _current_total(tracker)
     embeds.backward(torch.zeros_like(embeds))
     return after, before
@@ -549,3 +554,69 @@ def extrapolate(a: GroupResult, b: GroupResult, t: float) -> GroupResult:
         x, y = getattr(a, name), getattr(b, name)
         setattr(out, name, {k: int(round(x.get(k, 0) + t * (y.get(k, 0) - x.get(k, 0)))) for k in {*x, *y}})
     return out
+
+
+# ---- a collocated rank: both groups' engines in one process, the collocated schedule under one tracker ------------
+
+
+def measure_collocated(jobs: dict[str, GroupJob], model_cfg: Any, family: Any = None, fake: bool = True,
+                       rounds: int = 2) -> int:
+    """The peak of one collocated rank holding both groups (same ranks, one engine each), running the order the
+    Ray backend submits under ``placement=collocated`` (``encoders_ahead`` 0): per round vision forward, text
+    forward-backward, vision backward; then both groups' gradient reduction and optimizer step. Why: the planner
+    predicts this peak from separate runs of each group (``planner.evaluate``: a group's own peak plus what the
+    other holds meanwhile); this is the run it stands for, under one tracker (``tests/unit/test_plan.py``). Two
+    rounds, so that each group's gradients exist while the other runs, as they do from a replica's second
+    micro-batch on. Non-FSDP layouts only (dhp's collocated rows are SP / TP). Fake: run it after the process's
+    other fake runs (the text group's mesh groups are made second here, and DTensor keeps meshes of a past fake
+    world that a later ``measure`` of the same layout picks up)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from dhp.models.registry import get_family
+
+    _register_cpu_attention_flops()
+    family = family or get_family("qwen2_5_vl")
+    v_job, t_job = jobs["vision"], jobs["text"]
+    assert v_job.ranks == t_job.ranks and v_job.zero != 3 and t_job.zero != 3, (v_job, t_job)
+    shells = {}
+    try:
+        for i, (k, job) in enumerate((("vision", v_job), ("text", t_job))):
+            cfg = _config(job)
+            par = _fake_world(job, cfg.module(k).parallel, fake, joining=i > 0)
+            shells[k] = _engine_shell(family.module(k), model_cfg, cfg, par)
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext():
+            eng = {k: _engine_build(e, mesh, jobs[k].device) for k, (e, mesh) in shells.items()}
+            for e in eng.values():
+                _warm_optimizer(e)
+            tracker = _peak_only(MemTracker)()
+            tracker.track_external(*(x for e in eng.values() for x in (e.module, e.optimizer) if x is not None))
+            with _untracked_sharding_propagation(), tracker:
+                for _ in range(rounds):
+                    _collocated_round(eng, jobs, model_cfg)
+                    tracker.reset_mod_stats()  # the module statistics only: the device peak stays
+                for e in eng.values():
+                    e.finish_gradients(1.0)
+                for e in eng.values():
+                    e.step(1.0)
+            return _device_snapshot(tracker.get_tracker_snapshot("peak")).get("Total", 0)
+    finally:
+        if fake and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+
+def _collocated_round(eng: dict[str, Any], jobs: dict[str, GroupJob], model_cfg: Any) -> None:
+    """One micro-batch round of a collocated rank: the encoder's output (and its graph) is held while the text
+    group runs, and released by the encoder's backward."""
+    v, t = eng["vision"], eng["text"]
+    with v.autocast():
+        embeds, _ = v.spec.encode(v.module, _vision_samples(jobs["vision"], model_cfg), v.par, v.device)
+        embeds = embeds.float()
+    b = _text_batch(jobs["text"], model_cfg)
+    with t.autocast():
+        loss = t.module.loss_sum(b["input_ids"], b["position_ids"], b["targets"],
+                                 {model_cfg.image_token_id: b["media"]}, b["cu_seqlens"])
+    loss.backward()
+    del loss, b
+    embeds.backward(torch.zeros_like(embeds))

@@ -40,7 +40,7 @@ def test_worker_failure_names_module_and_rank_and_cleans_up(ray_cluster, demo_ov
     cfg = load_config(None, demo_overrides + ["runtime.backend=ray", "runtime.cpus_per_worker=0.5",
                                               "vision.parallel.dp=2", "runtime.placement=disaggregated"])
     inputs = resolve_inputs(cfg)
-    spec = dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path)
+    spec = dataset_spec(inputs, inputs.train_path)
     ds = open_dataset(spec)
     costs = module_costs(inputs.family, inputs.model_cfg, ds)
     plan = BatchPlanner(costs, {"vision": 2, "text": 1}, 8, 4).plan(0)

@@ -116,7 +116,7 @@ def test_toy_audio_family_trains_locally_and_both_encoders_learn(audio_overrides
     cfg = load_config(None, audio_overrides + ["audio.lr_scale=2.0"])
     assert list(cfg.modules) == ["vision", "audio", "text"] and cfg.audio.lr_scale == 2.0
     inputs = resolve_inputs(cfg)
-    ds = open_dataset(dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path))
+    ds = open_dataset(dataset_spec(inputs, inputs.train_path))
     costs = module_costs(inputs.family, inputs.model_cfg, ds)
     carry_audio = [i for i, c in enumerate(costs["audio"]) if c > 0]
     carry_image = [i for i, c in enumerate(costs["vision"]) if c > 0]
@@ -141,7 +141,7 @@ def test_audio_embeddings_reach_the_loss(audio_overrides):
 
     cfg = load_config(None, audio_overrides)
     inputs = resolve_inputs(cfg)
-    ds = open_dataset(dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path))
+    ds = open_dataset(dataset_spec(inputs, inputs.train_path))
     costs = module_costs(inputs.family, inputs.model_cfg, ds)
     plan = BatchPlanner(costs, {m: 1 for m in costs}, 8, 4).plan(0)
     losses = []

@@ -63,7 +63,7 @@ def test_demo_tokenizer_is_small_deterministic_and_round_trips(tmp_path) -> None
 def test_special_tokens_by_name_and_single(tok: Tokenizer) -> None:
     ids = {attr: getattr(tok, attr) for attr in SPECIAL_TOKENS}
     assert len(set(ids.values())) == len(ids)
-    for attr, token in SPECIAL_TOKENS.items():
+    for attr, (token, *_) in SPECIAL_TOKENS.items():
         assert tok.encode(token) == [ids[attr]]
         assert tok.token_to_id(token) == ids[attr]
     assert tok.encode("<|im_start|>user") == [tok.im_start_id, *tok.encode("user")]
@@ -153,3 +153,34 @@ def test_conversation_errors(tok: Tokenizer) -> None:
         tok.encode_conversation([{"role": "bot", "content": "x"}], [])
     with pytest.raises(ValueError, match="empty conversation"):
         tok.encode_conversation([], [])
+
+
+def test_omni_tokenizer_aliases_and_audio_blocks(tmp_path) -> None:
+    """A tokenizer with Qwen2.5-Omni's names (<|IMAGE|>, <|vision_bos|>, ...) gives the same attributes, and
+    ``<audio>`` expands to <|audio_bos|> + <|AUDIO|> x n + <|audio_eos|>, never supervised."""
+    from dhp.data.tokenizer import QWEN2_5_OMNI_CHAT_TEMPLATE, build_demo_tokenizer
+
+    d = build_demo_tokenizer(tmp_path / "omni", ["What digits were dialed? 0123456789"], omni=True)
+    assert json.loads((d / "tokenizer_config.json").read_text())["chat_template"] == QWEN2_5_OMNI_CHAT_TEMPLATE
+    tok = Tokenizer(d)
+    assert tok.has_audio and tok.image_pad_id == tok.token_to_id("<|IMAGE|>")
+    assert tok.vision_start_id == tok.token_to_id("<|vision_bos|>")
+    audio = tok.audio_token_ids()
+    assert audio["audio_token_id"] == tok.token_to_id("<|AUDIO|>")
+    msgs = [{"role": "user", "content": "<audio><image>Which?"}, {"role": "assistant", "content": "42"}]
+    ids, labels = tok.encode_conversation(msgs, [2], audio_token_counts=[3])
+    a0 = ids.index(tok.audio_start_id)
+    assert ids[a0:a0 + 5] == [tok.audio_start_id] + [tok.audio_pad_id] * 3 + [tok.audio_end_id]
+    assert ids[a0 + 5:a0 + 9] == [tok.vision_start_id, tok.image_pad_id, tok.image_pad_id, tok.vision_end_id]
+    assert all(lab == -100 for lab in labels[a0:a0 + 9])
+    with pytest.raises(ValueError, match="1 <audio> placeholders but 0 audio clips"):
+        tok.encode_conversation(msgs, [2])
+
+
+def test_vl_tokenizer_refuses_audio(tok: Tokenizer) -> None:
+    from dhp.data.tokenizer import TokenizerError
+
+    assert not tok.has_audio
+    with pytest.raises(TokenizerError, match="no audio tokens"):
+        tok.encode_conversation([{"role": "user", "content": "<audio>hi"}, {"role": "assistant", "content": "x"}],
+                                [], audio_token_counts=[4])

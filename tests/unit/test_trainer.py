@@ -18,7 +18,7 @@ from dhp.inputs import dataset_spec, module_costs, open_dataset, resolve_inputs
 def make(overrides):
     cfg = load_config(None, overrides)
     inputs = resolve_inputs(cfg)
-    ds = open_dataset(dataset_spec(cfg, inputs.tokenizer_dir, inputs.train_path))
+    ds = open_dataset(dataset_spec(inputs, inputs.train_path))
     return cfg, inputs, ds
 
 

@@ -199,6 +199,7 @@ VISION = EncoderSpec(
     token_counts=lambda sample, model_cfg: (sample.num_image_tokens, sample.num_video_tokens),
     encode=encode_vision,
     info_tokens=vision_tokens,
+    modalities=("image", "video"),
 )
 
 
@@ -304,6 +305,13 @@ def describe(model_cfg: Qwen2_5_VLConfig) -> list[tuple[str, int, str]]:
     ]
 
 
+def demo_data() -> Path:
+    """The digits demo set (generated once into the cache)."""
+    from dhp.data.demo import ensure_demo_dataset
+
+    return ensure_demo_dataset()
+
+
 FAMILY = FamilySpec(
     name="qwen2_5_vl",
     encoders=(VISION,),
@@ -320,4 +328,5 @@ FAMILY = FamilySpec(
     tied=lambda model_cfg: ({"language.lm_head.weight": "language.embed_tokens.weight"}
                             if model_cfg.text.tie_word_embeddings else {}),
     preset_config=lambda name: read_hf_config(name) if Path(name).is_dir() else preset(name),
+    demo_data=demo_data,
 )
