@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,14 +55,19 @@ def demo_dir() -> Path:
 
 def ensure_demo_dataset() -> Path:
     """The cached demo set, built once (atomically, so concurrent workers agree); returns its folder."""
-    target = demo_dir()
-    if (target / MARKER).is_file() and (target / MARKER).read_text().strip() == DEMO_VERSION:
+    return ensure_cached(demo_dir(), DEMO_VERSION, make_demo_dataset)
+
+
+def ensure_cached(target: Path, version: str, make: Callable[[Path], object]) -> Path:
+    """``target``, built by ``make(folder)`` unless a complete build of ``version`` is there; atomic: built in a
+    temporary folder and renamed, so concurrent processes (Ray workers) agree on one copy."""
+    if (target / MARKER).is_file() and (target / MARKER).read_text().strip() == version:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".demo-build-{os.getpid()}"
+    tmp = target.parent / f".{target.name}-build-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    make_demo_dataset(tmp)
-    (tmp / MARKER).write_text(DEMO_VERSION + "\n")
+    make(tmp)
+    (tmp / MARKER).write_text(version + "\n")
     if target.exists() and not (target / MARKER).is_file():  # a stale or interrupted build
         shutil.rmtree(target, ignore_errors=True)
     try:

@@ -71,20 +71,38 @@ def _tone(digit: str, n: int, amplitude: float, rng: np.random.Generator, sample
     return wave
 
 
-def dial(digits: str, rng: np.random.Generator, sample_rate: int = TELEPHONE_RATE) -> np.ndarray:
+def dial(digits: str, rng: np.random.Generator, sample_rate: int = TELEPHONE_RATE,
+         slot_seconds: float | None = None, tone_seconds: tuple[float, float] = TONE_SECONDS) -> np.ndarray:
     """A noisy recording of ``digits`` being dialed: float32 [n] at ``sample_rate``, peak below 1.
 
     Each key is a tone of random length (0.12-0.25 s), keys are separated by random gaps (0.05-0.2 s), with
-    random leading/trailing silence (0.05-0.3 s), a random level and white noise at a random SNR (10-30 dB)."""
+    random leading/trailing silence (0.05-0.3 s), a random level and white noise at a random SNR (10-30 dB).
+
+    ``slot_seconds``: an auto-dialer's cadence instead: key ``k`` sounds in its own slot ``[k*slot, (k+1)*slot)``,
+    its tone of random length (``tone_seconds``) after a random delay (up to half the slot's slack), the rest of
+    the slot silent, so gaps vary too; leading and trailing silence 0.02-0.05 s. A key's place in the sequence
+    is then where it is in time, as a digit's place in a picture of digits is where it is in space."""
     if not digits or any(d not in KEYS for d in digits):
         raise ValueError(f"dial: digits must be a non-empty string of 0-9, got {digits!r}")
+    if slot_seconds is not None and slot_seconds < tone_seconds[1] + 0.03:
+        raise ValueError(f"dial: slot_seconds={slot_seconds} leaves no gap after a {tone_seconds[1]} s tone")
     amplitude = rng.uniform(*AMPLITUDE)
-    pieces = [np.zeros(_uniform_samples(rng, EDGE_SECONDS, sample_rate))]
+    edge = EDGE_SECONDS if slot_seconds is None else (0.02, 0.05)
+    pieces = [np.zeros(_uniform_samples(rng, edge, sample_rate))]
     for i, digit in enumerate(digits):
-        if i:
-            pieces.append(np.zeros(_uniform_samples(rng, GAP_SECONDS, sample_rate)))
-        pieces.append(_tone(digit, _uniform_samples(rng, TONE_SECONDS, sample_rate), amplitude, rng, sample_rate))
-    pieces.append(np.zeros(_uniform_samples(rng, EDGE_SECONDS, sample_rate)))
+        if slot_seconds is None:
+            if i:
+                pieces.append(np.zeros(_uniform_samples(rng, GAP_SECONDS, sample_rate)))
+            pieces.append(_tone(digit, _uniform_samples(rng, tone_seconds, sample_rate), amplitude, rng,
+                                sample_rate))
+            continue
+        tone = _tone(digit, _uniform_samples(rng, tone_seconds, sample_rate), amplitude, rng, sample_rate)
+        slack = int(round(slot_seconds * sample_rate)) - tone.shape[0]
+        delay = int(rng.integers(0, max(1, slack // 2)))
+        slot = np.zeros(int(round(slot_seconds * sample_rate)))
+        slot[delay:delay + tone.shape[0]] = tone
+        pieces.append(slot)
+    pieces.append(np.zeros(_uniform_samples(rng, edge, sample_rate)))
     clean = np.concatenate(pieces)
     tone_power = amplitude**2  # two sines of amplitude a: a^2 / 2 each
     noise_power = tone_power / 10 ** (rng.uniform(*SNR_DB) / 10)

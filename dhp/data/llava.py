@@ -488,19 +488,6 @@ def _record(index: int, item: Any, error: str | None, image_root: Path) -> _Reco
     return _Record(index, messages, images, videos=clips, audios=sounds)
 
 
-def _audio_list(item: dict[str, Any]) -> list[str]:
-    """The sample's ``audio`` (one path, or a list) or ``audios`` entry: audio file paths, in order."""
-    key = "audio" if "audio" in item else "audios"
-    value = item.get(key)
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise ValueError(f"'{key}' must be an audio file path or a list of paths, got {value!r:.60}")
-
-
 def _video_list(item: dict[str, Any]) -> list[str | list[str]]:
     """The sample's clips: ``video`` is one clip, ``videos`` a list of clips; a clip is a file path or a list of
     frame image paths."""
@@ -523,7 +510,17 @@ def _video_list(item: dict[str, Any]) -> list[str | list[str]]:
 
 def _image_list(item: dict[str, Any]) -> list[str]:
     """The sample's ``image`` (LLaVA) or ``images`` (messages, LLaMA-Factory, TRL) entry: paths, in order."""
-    key = "image" if "image" in item else "images"
+    return _path_list(item, "image")
+
+
+def _audio_list(item: dict[str, Any]) -> list[str]:
+    """The sample's ``audio`` (one path, or a list) or ``audios`` entry: audio file paths, in order."""
+    return _path_list(item, "audio")
+
+
+def _path_list(item: dict[str, Any], kind: str) -> list[str]:
+    """``item[kind]`` or ``item[kind + "s"]``: one path or a list of paths."""
+    key = kind if kind in item else kind + "s"
     value = item.get(key)
     if value is None:
         return []

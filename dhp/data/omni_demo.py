@@ -5,7 +5,7 @@ Telephone keypad (DTMF) tones are the audio counterpart of the handwritten digit
 pair of sine tones, and a clip is a few keys with noise, gaps and varied durations at the
 telephone rate of 8 kHz (the loader resamples it to 16 kHz). Samples ask
 
-* "Which digits were dialed?" (audio only, 1-3 keys; the answer lists them in order),
+* "Which digits were dialed?" (audio only, 1-3 keys at a keypad's cadence; the answer lists them in order),
 * "What digit is this?" (one digit picture, as in the image demo),
 * "Do the dialed digits match the picture?" (a clip and a collage of digits: yes or no),
 * "What comes after 3?" (text only),
@@ -17,27 +17,30 @@ disjoint digit pictures and their own random clips.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from dhp.data.demo import DemoPaths, demo_dir, render_digit
+from dhp.data.demo import DemoPaths, demo_dir, ensure_cached, render_digit
 from dhp.data.tokenizer import DEFAULT_SYSTEM_PROMPT, build_demo_tokenizer
 
-OMNI_DEMO_VERSION = "3"  # 2: clips of 1-3 keys; 3: more dialing
-MARKER = ".complete"
+OMNI_DEMO_VERSION = "7"  # 2: clips of 1-3 keys; 3, 4: the mix; 5: keypad cadence, mostly single keys
 DIAL_PROMPT = "<audio>\nWhich digits were dialed?"
 IMAGE_PROMPT = "<image>\nWhat digit is this?"
 MATCH_PROMPT = "<audio><image>\nDo the dialed digits match the picture?"
 TEXT_PROMPT = "What comes after {d}?"
 KINDS = ("dial", "image", "match", "text")
-KIND_WEIGHTS = (0.55, 0.2, 0.2, 0.05)
+KIND_WEIGHTS = (0.78, 0.12, 0.07, 0.03)
 PHONE_RATE = 8000  # Hz: the clips' own rate (resampled to 16 kHz by the loader)
 KEYS_PER_CLIP = (1, 2, 3)
-KEYS_WEIGHTS = (0.45, 0.35, 0.2)  # single keys teach the tones, longer clips their order
+# Single keys teach the tones, then longer clips their order. Measured on this 2-core machine: with 90 % single
+# keys a tiny model reads every held-out clip after 250 steps (2-key clips included); with half or fewer it stays
+# at chance for 300 steps and more (it learns how many keys a clip holds, never which).
+KEYS_WEIGHTS = (0.9, 0.08, 0.02)
+MATCH_KEYS_WEIGHTS = (0.8, 0.2, 0.0)
+SLOT_SECONDS = 0.25  # an auto-dialer's cadence: one key per 0.25 s slot ...
+TONE_SECONDS = (0.15, 0.21)  # ... a tone of 150-210 ms in it, the rest silent
 EVAL_FRACTION = 0.2
 
 
@@ -48,21 +51,7 @@ def omni_demo_dir() -> Path:
 
 def ensure_omni_demo_dataset() -> Path:
     """The cached audio demo set, built once (atomically, so concurrent workers agree); returns its folder."""
-    target = omni_demo_dir()
-    if (target / MARKER).is_file() and (target / MARKER).read_text().strip() == OMNI_DEMO_VERSION:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".omni-demo-build-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    make_omni_demo_dataset(tmp)
-    (tmp / MARKER).write_text(OMNI_DEMO_VERSION + "\n")
-    if target.exists() and not (target / MARKER).is_file():
-        shutil.rmtree(target, ignore_errors=True)
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process finished first: use its (identical) copy
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return ensure_cached(omni_demo_dir(), OMNI_DEMO_VERSION, make_omni_demo_dataset)
 
 
 def make_omni_demo_dataset(out_dir: str | Path, seed: int = 0, n_train: int = 3000, n_eval: int = 200) -> DemoPaths:
@@ -101,7 +90,8 @@ def _make_item(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, po
         side = int(rng.integers(56, 71))
         _save_png(render_digit(rng, pix[idx], side, side), root / "images" / f"{name}.png")
         return _messages(name, IMAGE_PROMPT, str(labels[idx]), images=[f"images/{name}.png"])
-    keys = "".join(str(d) for d in rng.integers(0, 10, size=int(rng.choice(KEYS_PER_CLIP, p=KEYS_WEIGHTS))))
+    weights = KEYS_WEIGHTS if kind == "dial" else MATCH_KEYS_WEIGHTS
+    keys = "".join(str(d) for d in rng.integers(0, 10, size=int(rng.choice(KEYS_PER_CLIP, p=weights))))
     audio = _write_dial(rng, keys, root / "audio", name)
     if kind == "dial":
         return _messages(name, DIAL_PROMPT, " ".join(keys), audios=[audio])
@@ -117,7 +107,8 @@ def _write_dial(rng: np.random.Generator, keys: str, folder: Path, name: str) ->
     from dhp.data.dtmf import dial, write_wav
 
     ext = "flac" if rng.random() < 0.25 else "wav"
-    write_wav(folder / f"{name}.{ext}", dial(keys, rng, sample_rate=PHONE_RATE), PHONE_RATE, fmt=ext.upper())
+    wave = dial(keys, rng, sample_rate=PHONE_RATE, slot_seconds=SLOT_SECONDS, tone_seconds=TONE_SECONDS)
+    write_wav(folder / f"{name}.{ext}", wave, PHONE_RATE, fmt=ext.upper())
     return f"audio/{name}.{ext}"
 
 

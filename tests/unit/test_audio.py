@@ -305,3 +305,21 @@ def test_write_wav_and_flac_round_trip(tmp_path):
         assert rate == 8000
         np.testing.assert_allclose(back, wave, atol=1 / 32768 + 1e-7)
     assert sf.info(tmp_path / "a.flac").format == "FLAC"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_keypad_cadence_puts_each_key_in_its_slot(seed):
+    """``slot_seconds``: key k sounds inside its own slot (its energy there), the clip decodes to its keys."""
+    rng = np.random.default_rng(seed)
+    digits = "".join(str(d) for d in rng.integers(0, 10, size=3))
+    slot, rate = 0.25, 8000
+    wave = D.dial(digits, rng, rate, slot_seconds=slot, tone_seconds=(0.15, 0.21))
+    assert D.dtmf_digits(wave, rate) == digits
+    lead = next(i for i, x in enumerate(np.abs(wave) > 0.5 * np.abs(wave).max()) if x)  # first tone's onset
+    assert 0.02 * rate <= lead <= (0.05 + 0.05) * rate
+    for k, d in enumerate(digits):
+        start = int((0.02 + k * slot) * rate)
+        part = wave[start:start + int(0.2 * rate)]
+        assert D.dtmf_digits(np.concatenate([part, np.zeros(rate // 10, np.float32)]), rate).startswith(d)
+    with pytest.raises(ValueError, match="leaves no gap"):
+        D.dial("1", rng, rate, slot_seconds=0.2, tone_seconds=(0.15, 0.21))

@@ -118,7 +118,9 @@ def audio_sample_flops(info: SampleInfo, model_cfg: Qwen2_5OmniConfig) -> tuple[
 
 
 def audio_tokens(info: SampleInfo, model_cfg: Qwen2_5OmniConfig) -> int:
-    return sum(((f - 1) // 2 + 1 - 2) // 2 + 1 for f in info.audio_frames)
+    from dhp.data.audio import audio_tokens as tokens_of
+
+    return sum(tokens_of(f) for f in info.audio_frames)
 
 
 def reset_audio_buffers(module: nn.Module) -> None:
