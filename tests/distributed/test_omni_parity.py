@@ -1,11 +1,12 @@
 """Qwen2.5-Omni's thinker trains in three Ray groups (vision, audio, text) and equals the single-process
 reference: per-step losses, and the weights of every rank of every group.
 
-Two layouts, each against the same reference run:
+Three layouts, each against the same reference run:
 
 * disaggregated, equal sizes: vision Ulysses sp 2, audio dp 2, text tp 2 (six workers);
 * collocated, unequal sizes: vision dp 1, audio sequence parallel 2 (whole attention chunks per rank),
-  text tp 2 with ZeRO-1 off (two workers hold all three groups).
+  text tp 2 with ZeRO-1 off (two workers hold all three groups);
+* audio sp 2 with ZeRO-3 and activation checkpointing, disaggregated.
 """
 
 from __future__ import annotations
@@ -74,3 +75,14 @@ def test_three_groups_collocated_with_audio_sequence_parallel(ray_cluster, omni_
     assert [len(state[m]) for m in ("vision", "audio", "text")] == [1, 2, 2]
     assert stats[0].comm_bytes["audio_all_reduce"] > 0  # the SP ranks' partial gradients were summed
     assert "audio_all_to_all" not in stats[0].comm_bytes  # chunk-local attention: no all-to-all at all
+
+
+def test_audio_sequence_parallel_with_fsdp_and_checkpointing(ray_cluster, omni_run):
+    """Audio SP 2 with ZeRO-3 (FSDP2 over the SP ranks, which gather in lockstep even on a rank with no chunk)
+    and activation checkpointing: the same losses and weights."""
+    common, reference = omni_run
+    stats, state, _ = run(common + ["runtime.backend=ray", "runtime.placement=disaggregated", "vision.parallel.dp=1",
+                                    "audio.parallel.sp=2", "audio.parallel.zero=3",
+                                    "audio.activation_checkpointing=true", "text.parallel.dp=1"])
+    _assert_same(stats, state, reference)
+    assert stats[0].comm_bytes["audio_all_gather"] > 0  # FSDP2 gathered the sharded audio weights
