@@ -12,13 +12,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dhp.backends import make_backend
-from dhp.config import load_config
 from dhp.data.video import write_clip
-from dhp.inputs import prepare
+from tests.parity import assert_matches_reference, run_steps
 
 pytest.importorskip("av")
-STEPS = 3
 
 
 def write_video_data(root, n: int = 16):
@@ -52,18 +49,6 @@ def write_video_data(root, n: int = 16):
     return root / "video.jsonl"
 
 
-def run(overrides: list[str]):
-    cfg = load_config(None, overrides)
-    run_ = prepare(cfg)
-    backend = make_backend(run_.inputs, run_.dataset, run_.spec)
-    try:
-        initial = backend.rank_state_dicts()
-        stats = [backend.run_step(run_.planner.plan(s)) for s in range(STEPS)]
-        return stats, backend.rank_state_dicts(), initial
-    finally:
-        backend.shutdown()
-
-
 @pytest.fixture(scope="module")
 def video_overrides(demo_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("video")
@@ -76,17 +61,10 @@ def video_overrides(demo_data, tmp_path_factory):
 
 
 def test_video_under_vision_sp_and_text_tp_matches_the_reference(ray_cluster, video_overrides):
-    ref_stats, ref_state, initial = run(video_overrides + ["runtime.backend=local"])
-    stats, state, _ = run(video_overrides + [
+    reference = run_steps(video_overrides + ["runtime.backend=local"])
+    stats, state, _ = run_steps(video_overrides + [
         "runtime.backend=ray", "runtime.placement=disaggregated", "vision.parallel.sp=2", "vision.parallel.dp=2",
         "text.parallel.tp=2",
     ])
-    assert [s.loss for s in stats] == pytest.approx([s.loss for s in ref_stats], rel=1e-5)
-    assert [s.supervised_tokens for s in stats] == [s.supervised_tokens for s in ref_stats]
+    assert_matches_reference(stats, state, reference)
     assert [len(state[m]) for m in ("vision", "text")] == [4, 2]
-    for module, ranks in state.items():
-        want, start = ref_state[module][0], initial[module][0]
-        assert max((want[k] - start[k]).abs().max().item() for k in want) > 1e-4, module
-        for rank, got in enumerate(ranks):
-            worst = max((got[k] - want[k]).abs().max().item() for k in want)
-            assert worst < 1e-5, (module, rank, worst)
