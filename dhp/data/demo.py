@@ -119,7 +119,7 @@ def _make_item(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, po
     if kind == "single":
         idx = int(rng.choice(pool))
         side = int(rng.integers(56, 71))
-        _save(render_digit(rng, pix[idx], side, side), images / f"{name}.png")
+        save_png(render_digit(rng, pix[idx], side, side), images / f"{name}.png")
         prompt = "<image>\n" + str(rng.choice(SINGLE_PROMPTS))
         return _item(name, [f"images/{name}.png"], prompt, str(labels[idx]), [idx])
     if kind == "pair":
@@ -127,7 +127,7 @@ def _make_item(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, po
         paths = []
         for j, i in enumerate(idx):
             side = int(rng.integers(56, 141))
-            _save(render_digit(rng, pix[i], side, side), images / f"{name}_{j}.png")
+            save_png(render_digit(rng, pix[i], side, side), images / f"{name}_{j}.png")
             paths.append(f"images/{name}_{j}.png")
         answer = " ".join(str(labels[i]) for i in idx)
         return _item(name, paths, "<image>\n<image>\n" + str(rng.choice(PAIR_PROMPTS)), answer, idx)
@@ -135,7 +135,7 @@ def _make_item(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, po
     idx = rng.choice(pool, size=n)
     cell = 56  # two or three cells: 112 or 168 px wide, the latter spanning two 112-px attention windows
     collage = np.concatenate([render_digit(rng, pix[i], cell, cell) for i in idx], axis=1)
-    _save(collage, images / f"{name}.png")
+    save_png(collage, images / f"{name}.png")
     answer = " ".join(str(labels[i]) for i in idx)
     return _item(name, [f"images/{name}.png"], "<image>\n" + str(rng.choice(COLLAGE_PROMPTS)), answer, idx)
 
@@ -177,5 +177,5 @@ def render_digit(rng: np.random.Generator, digit: np.ndarray, height: int, width
     return np.clip(canvas, 0, 255).astype(np.uint8)
 
 
-def _save(arr: np.ndarray, path: Path) -> None:
+def save_png(arr: np.ndarray, path: Path) -> None:
     Image.fromarray(arr, "L").save(path, optimize=False)

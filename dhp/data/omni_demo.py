@@ -20,9 +20,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
-from dhp.data.demo import DemoPaths, demo_dir, ensure_cached, render_digit
+from dhp.data.demo import DemoPaths, demo_dir, ensure_cached, render_digit, save_png
 from dhp.data.tokenizer import DEFAULT_SYSTEM_PROMPT, build_demo_tokenizer
 
 OMNI_DEMO_VERSION = "7"  # 2: clips of 1-3 keys; 3, 4: the mix; 5: keypad cadence, mostly single keys
@@ -88,7 +87,7 @@ def _make_item(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, po
     if kind == "image":
         idx = int(rng.choice(pool))
         side = int(rng.integers(56, 71))
-        _save_png(render_digit(rng, pix[idx], side, side), root / "images" / f"{name}.png")
+        save_png(render_digit(rng, pix[idx], side, side), root / "images" / f"{name}.png")
         return _messages(name, IMAGE_PROMPT, str(labels[idx]), images=[f"images/{name}.png"])
     weights = KEYS_WEIGHTS if kind == "dial" else MATCH_KEYS_WEIGHTS
     keys = "".join(str(d) for d in rng.integers(0, 10, size=int(rng.choice(KEYS_PER_CLIP, p=weights))))
@@ -98,7 +97,7 @@ def _make_item(rng: np.random.Generator, pix: np.ndarray, labels: np.ndarray, po
     match = bool(rng.integers(0, 2))
     shown = keys if match else _other_keys(rng, keys)
     cells = [render_digit(rng, pix[_instance(rng, labels, pool, int(d))], 56, 56) for d in shown]
-    _save_png(np.concatenate(cells, axis=1), root / "images" / f"{name}.png")
+    save_png(np.concatenate(cells, axis=1), root / "images" / f"{name}.png")
     return _messages(name, MATCH_PROMPT, "yes" if match else "no", images=[f"images/{name}.png"], audios=[audio])
 
 
@@ -134,7 +133,3 @@ def _messages(name: str, prompt: str, answer: str, images: list[str] | None = No
     if audios:
         item["audios"] = audios
     return item
-
-
-def _save_png(arr: np.ndarray, path: Path) -> None:
-    Image.fromarray(arr, "L").save(path, optimize=False)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from dhp.models.qwen2_5_vl.config import TextConfig, VisionConfig, _pick
+from dhp.models.qwen2_5_vl.config import TextConfig, VisionConfig, _pick, text_hf_dict, vision_hf_dict
 
 
 @dataclass(frozen=True)
@@ -92,37 +92,9 @@ class Qwen2_5OmniConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A thinker ``config.json`` (``Qwen2_5OmniThinkerForConditionalGeneration``) as transformers 5 writes it."""
         v, a, t = self.vision, self.audio, self.text
-        text = {
-            "model_type": "qwen2_5_omni_text",
-            "vocab_size": t.vocab_size,
-            "hidden_size": t.hidden_size,
-            "intermediate_size": t.intermediate_size,
-            "num_hidden_layers": t.num_hidden_layers,
-            "num_attention_heads": t.num_attention_heads,
-            "num_key_value_heads": t.num_key_value_heads,
-            "hidden_act": "silu",
-            "rms_norm_eps": t.rms_norm_eps,
-            "max_position_embeddings": t.max_position_embeddings,
-            "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta,
-                                "mrope_section": list(t.mrope_section)},
-            "tie_word_embeddings": t.tie_word_embeddings,
-        }
-        vision = {
-            "model_type": "qwen2_5_omni_vision_encoder",
-            "depth": v.depth,
-            "hidden_size": v.hidden_size,
-            "intermediate_size": v.intermediate_size,
-            "num_heads": v.num_heads,
-            "in_channels": v.in_channels,
-            "patch_size": v.patch_size,
-            "temporal_patch_size": v.temporal_patch_size,
-            "spatial_merge_size": v.spatial_merge_size,
-            "window_size": v.window_size,
-            "out_hidden_size": v.out_hidden_size,
-            "fullatt_block_indexes": list(v.fullatt_block_indexes),
-            "hidden_act": "silu",
-            "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
-        }
+        text = {"model_type": "qwen2_5_omni_text", **text_hf_dict(t)}
+        vision = {"model_type": "qwen2_5_omni_vision_encoder", **vision_hf_dict(v),
+                  "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}}
         audio = {
             "model_type": "qwen2_5_omni_audio_encoder",
             "num_mel_bins": a.num_mel_bins,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dhp.models.qwen2_5_omni.config import Qwen2_5OmniConfig, preset
+from dhp.models.qwen2_5_vl.family import FAMILY as QWEN_VL
 from dhp.models.qwen2_5_vl.family import LANGUAGE, VISION
 from dhp.models.spec import EncoderSpec, FamilySpec, ParallelizeOptions, SampleInfo
 from dhp.parallel.sharding import apply_activation_checkpointing, apply_fsdp
@@ -94,12 +95,11 @@ def audio_forward_flops(frames: int, cfg: Any) -> float:
     Rows after the stem ``R = ceil(F/2)``, width ``d``, MLP ``f``, chunk rows ``r_c``:
     ``2*F*3*M*d`` (conv1) + ``2*R*3*d*d`` (conv2) + ``layers * (2R(4d^2 + 2df) + 4d sum_c r_c^2)`` +
     ``2*(R/2)*d*out`` (projection after pooling)."""
-    from dhp.models.qwen2_5_omni.sequence_parallel import after_stem
+    from dhp.models.qwen2_5_omni.sequence_parallel import after_stem, chunk_frames
 
-    d, size = cfg.d_model, 2 * cfg.n_window
+    d = cfg.d_model
     rows = after_stem(frames)
-    chunks = [size] * (frames // size) + ([frames % size] if frames % size else [])
-    attn = sum(after_stem(f) ** 2 for f in chunks)
+    attn = sum(after_stem(f) ** 2 for f in chunk_frames(frames, cfg.n_window))
     layers = cfg.encoder_layers * (2 * rows * (4 * d * d + 2 * d * cfg.encoder_ffn_dim) + 4 * d * attn)
     return float(2 * frames * 3 * cfg.num_mel_bins * d + 2 * rows * 3 * d * d + layers
                  + 2 * (rows // 2) * d * cfg.output_dim)
@@ -285,9 +285,8 @@ FAMILY = FamilySpec(
     save_hf=save_hf,
     describe=describe,
     hf_key=hf_key,
-    hf_config=lambda model_cfg, dtype: model_cfg.to_hf_dict() | {"dtype": str(dtype).removeprefix("torch.")},
-    tied=lambda model_cfg: ({"language.lm_head.weight": "language.embed_tokens.weight"}
-                            if model_cfg.text.tie_word_embeddings else {}),
+    hf_config=QWEN_VL.hf_config,  # model_cfg.to_hf_dict() plus the dtype: the same rule
+    tied=QWEN_VL.tied,  # lm_head shares embed_tokens when the text config ties them
     preset_config=preset_config,
     position_ids=position_ids,
     demo_data=demo_data,

@@ -28,6 +28,12 @@ def after_stem(frames: int) -> int:
     return (frames - 1) // 2 + 1 if frames > 0 else 0
 
 
+def chunk_frames(frames: int, n_window: int) -> list[int]:
+    """A clip of ``frames`` mel frames cut into the encoder's attention chunks (``2 * n_window``, the last shorter)."""
+    size = 2 * n_window
+    return [size] * (frames // size) + ([frames % size] if frames % size else [])
+
+
 @dataclass(frozen=True)
 class Unit:
     """Consecutive chunks of one clip that start at an even row of the clip: what one rank takes whole."""
@@ -65,11 +71,10 @@ class AudioShard:
 
 def clip_units(feature_lens: list[int], n_window: int) -> list[Unit]:
     """Every clip cut into units: single chunks when a chunk has an even number of rows, else pairs."""
-    size = 2 * n_window
-    per_unit = 1 if after_stem(size) % 2 == 0 else 2
+    per_unit = 1 if after_stem(2 * n_window) % 2 == 0 else 2
     units = []
     for clip, frames in enumerate(feature_lens):
-        chunks = [size] * (frames // size) + ([frames % size] if frames % size else [])
+        chunks = chunk_frames(frames, n_window)
         frame_start = row_start = 0
         for k in range(0, len(chunks), per_unit):
             group = tuple(chunks[k:k + per_unit])

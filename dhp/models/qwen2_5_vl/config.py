@@ -122,40 +122,8 @@ class Qwen2_5_VLConfig:
     # ---- Hugging Face config.json ------------------------------------------------------
     def to_hf_dict(self) -> dict[str, Any]:
         v, t = self.vision, self.text
-        text = {
-            "model_type": "qwen2_5_vl_text",
-            "vocab_size": t.vocab_size,
-            "hidden_size": t.hidden_size,
-            "intermediate_size": t.intermediate_size,
-            "num_hidden_layers": t.num_hidden_layers,
-            "num_attention_heads": t.num_attention_heads,
-            "num_key_value_heads": t.num_key_value_heads,
-            "hidden_act": "silu",
-            "rms_norm_eps": t.rms_norm_eps,
-            "max_position_embeddings": t.max_position_embeddings,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": t.rope_theta,
-                "mrope_section": list(t.mrope_section),
-            },
-            "tie_word_embeddings": t.tie_word_embeddings,
-        }
-        vision = {
-            "model_type": "qwen2_5_vl_vision",
-            "depth": v.depth,
-            "hidden_size": v.hidden_size,
-            "intermediate_size": v.intermediate_size,
-            "num_heads": v.num_heads,
-            "in_channels": v.in_channels,
-            "patch_size": v.patch_size,
-            "temporal_patch_size": v.temporal_patch_size,
-            "spatial_merge_size": v.spatial_merge_size,
-            "window_size": v.window_size,
-            "out_hidden_size": v.out_hidden_size,
-            "fullatt_block_indexes": list(v.fullatt_block_indexes),
-            "tokens_per_second": v.tokens_per_second,
-            "hidden_act": "silu",
-        }
+        text = {"model_type": "qwen2_5_vl_text", **text_hf_dict(t)}
+        vision = {"model_type": "qwen2_5_vl_vision", **vision_hf_dict(v), "tokens_per_second": v.tokens_per_second}
         return {
             "architectures": ["Qwen2_5_VLForConditionalGeneration"],
             "model_type": "qwen2_5_vl",
@@ -199,6 +167,41 @@ class Qwen2_5_VLConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def text_hf_dict(t: TextConfig) -> dict[str, Any]:
+    """The language model's part of an HF ``text_config`` (Qwen2.5-VL's and Qwen2.5-Omni's thinker share it)."""
+    return {
+        "vocab_size": t.vocab_size,
+        "hidden_size": t.hidden_size,
+        "intermediate_size": t.intermediate_size,
+        "num_hidden_layers": t.num_hidden_layers,
+        "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": t.rms_norm_eps,
+        "max_position_embeddings": t.max_position_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta, "mrope_section": list(t.mrope_section)},
+        "tie_word_embeddings": t.tie_word_embeddings,
+    }
+
+
+def vision_hf_dict(v: VisionConfig) -> dict[str, Any]:
+    """The vision encoder's part of an HF ``vision_config`` (shared by Qwen2.5-VL and Qwen2.5-Omni)."""
+    return {
+        "depth": v.depth,
+        "hidden_size": v.hidden_size,
+        "intermediate_size": v.intermediate_size,
+        "num_heads": v.num_heads,
+        "in_channels": v.in_channels,
+        "patch_size": v.patch_size,
+        "temporal_patch_size": v.temporal_patch_size,
+        "spatial_merge_size": v.spatial_merge_size,
+        "window_size": v.window_size,
+        "out_hidden_size": v.out_hidden_size,
+        "fullatt_block_indexes": list(v.fullatt_block_indexes),
+        "hidden_act": "silu",
+    }
 
 
 _TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
