@@ -122,6 +122,7 @@ class RuntimeConfig:
     max_failures: int = 0  # worker failures a run survives (restart every group, resume the newest checkpoint)
     collective_timeout_s: float = 600.0  # a collective waiting longer than this fails instead of hanging
     peak_tflops: float | None = None  # peak FLOP/s per device for MFU (unset: the device table; CPU: measured)
+    empty_cache_between_turns: Literal["auto", "always", "never"] = "auto"  # auto: collocated groups on CUDA
 
 
 FIXED_SECTIONS = ("model", "data", "train", "merger", "output", "runtime")

@@ -90,6 +90,14 @@ class EngineWorker(WorkerBase):
 
         return open_dataset(spec)
 
+    def _keep_turns_apart(self, spec: dict[str, Any]) -> None:
+        self.empty_cache = empties_cache_between_turns(spec["cfg"], spec["device"])
+
+    def _end_turn(self) -> None:
+        """Hand this process's cached free blocks back to the device (``empties_cache_between_turns``)."""
+        if getattr(self, "empty_cache", False):
+            torch.cuda.empty_cache()
+
     def _timed(self, phase: str, t0: float, key: Any = None, busy: bool = True) -> None:
         """Count ``phase``'s time since ``t0`` (perf_counter) as busy, and record its span for the timeline with
         wall-clock times (``time.time()``: one clock for every worker of a machine, so spans line up)."""
@@ -118,6 +126,7 @@ class EngineWorker(WorkerBase):
         lr = self.engine.lr()  # the rate this step uses
         with self.comm:
             self.engine.step(clip_coef)
+        self._end_turn()
         self._timed("optimizer", t0)
         out = {"busy": dict(self.busy), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
                "lr": lr, "memory_gb": process_memory_gb(), "comm": self.comm.snapshot(), "spans": self.spans,
@@ -169,6 +178,7 @@ class EncoderWorker(EngineWorker):
         family = spec["family"]
         self.engine = EncoderEngine(family.module(self.module), family, spec["model_cfg"], spec["cfg"],
                                     self._dataset(spec).get, par=self.par, device=spec["device"])
+        self._keep_turns_apart(spec)
         self.outputs: dict[Any, dict[int, Piece]] = {}
 
     @dispatch(split=Split.REPLICA, collect=Collect.ALL)
@@ -179,6 +189,7 @@ class EncoderWorker(EngineWorker):
             out = self.engine.forward(key, list(sample_ids))
         if out:  # kept until the last text replica's emit; a rank with nothing to hand out keeps nothing
             self.outputs[key] = out
+        self._end_turn()
         self._timed("forward", t0, key)
         return len(out)
 
@@ -202,6 +213,7 @@ class EncoderWorker(EngineWorker):
         self.bytes_in += _nbytes(received)
         with self.comm:
             self.engine.backward(key, received)
+        self._end_turn()
         self._timed("backward", t0, key)
 
 
@@ -213,6 +225,7 @@ class LanguageWorker(EngineWorker):
         family = spec["family"]
         self.engine = LanguageEngine(family, spec["model_cfg"], spec["cfg"], self._dataset(spec).get, par=self.par,
                                      device=spec["device"])
+        self._keep_turns_apart(spec)
         self.grads: dict[tuple[Any, str], dict[int, torch.Tensor]] = {}
 
     @dispatch(split=Split.RANK, collect=Collect.REPLICA_HEADS)  # one loss per replica: its head's
@@ -232,6 +245,7 @@ class LanguageWorker(EngineWorker):
         if self.par is None or self.par.inner_rank == 0:  # the replica head hands gradients back
             for encoder, per_sample in grads.items():
                 self.grads[(key, encoder)] = per_sample
+        self._end_turn()
         self._timed("forward_backward", t0, key)
         return loss, n
 
@@ -249,6 +263,21 @@ class LanguageWorker(EngineWorker):
         self.bytes_out += _nbytes(out)
         self._timed("emit", t0, key, busy=False)
         return out
+
+
+def empties_cache_between_turns(cfg: Any, device: Any) -> bool:
+    """Whether a worker empties its CUDA cache after each turn (forward, backward, forward-backward, step).
+
+    Collocated groups share a GPU from separate processes, each with its own caching allocator: without it
+    each process would keep the free blocks of its own peak reserved while the other runs, and the GPU would
+    need the sum of both peaks. Emptied, an idle group holds only what it keeps (weights, gradients, optimizer
+    state, activations saved for its backward), which is what ``dhp plan`` counts for a collocated GPU. The
+    price is a fresh ``cudaMalloc`` for each turn's blocks. ``runtime.empty_cache_between_turns``: auto
+    (collocated placement on CUDA), always (on CUDA), never."""
+    mode = cfg.runtime.empty_cache_between_turns
+    if mode == "never" or str(device).split(":")[0] != "cuda":
+        return False
+    return mode == "always" or cfg.runtime.placement == "collocated"
 
 
 def _device_name() -> str:

@@ -24,14 +24,19 @@ def model_config(name: str) -> Any:
     return Qwen2_5_VLConfig.from_hf_dict(d) if d else preset(name)
 
 
+def _layout(job: Any) -> str:
+    """``sp8xdp1 z1``, ``tp4xdp2 z1``, ``dp8 z3``: a group's layout in the table."""
+    inner = f"{job.inner_kind}{job.inner}x" if job.inner > 1 else ""
+    return f"{inner}dp{job.dp} z{job.zero}"
+
+
 def table(rows: list[Row], limit: float) -> str:
     head = f"{'strategy':<18} {'vision tok':>10} {'AC':>3} {'fits':>4} {'vision GB':>9} {'text GB':>8} " \
            f"{'step s':>8} {'tokens/s':>10}  layout"
     out = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (r.vision_tokens, r.ac, r.strategy)):
         v, t = r.jobs["vision"], r.jobs["text"]
-        lay = (f"V {v.inner_kind if v.inner > 1 else 'dp'}{v.inner if v.inner > 1 else ''}xdp{v.dp} z{v.zero} | "
-               f"T {t.inner_kind if t.inner > 1 else 'dp'}{t.inner if t.inner > 1 else ''}xdp{t.dp} z{t.zero}")
+        lay = f"V {_layout(v)} | T {_layout(t)}"
         out.append(f"{r.strategy:<18} {r.vision_tokens:>10} {'on' if r.ac else 'off':>3} "
                    f"{'yes' if r.fits else 'no':>4} {r.groups['vision']['peak_gb']:>9.1f} "
                    f"{r.groups['text']['peak_gb']:>8.1f} {r.step_time_s:>8.2f} {r.tokens_per_s:>10.0f}  {lay}")

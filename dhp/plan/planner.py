@@ -57,6 +57,7 @@ class Row:
             f"text.parallel.dp={t.dp}",
             f"text.parallel.tp={t.inner if t.inner_kind == 'tp' else 1}",
             f"text.parallel.zero={t.zero}",
+            f"text.parallel.sequence_parallel={str(t.sequence_parallel).lower()}",
             f"vision.activation_checkpointing={str(v.activation_checkpointing).lower()}",
             f"text.activation_checkpointing={str(t.activation_checkpointing).lower()}",
             f"runtime.placement={self.placement}",
@@ -88,9 +89,12 @@ def candidate_rows(model_cfg: Any, gpus: int, vision_tokens: list[int], text_tok
             b = dict(base, vision_tokens=T, activation_checkpointing=ac)
 
             def text(n: int, t: int, b: dict = b) -> GroupJob:
+                # TP with Megatron sequence parallelism, as a skilled user runs it: the residual stream, norms
+                # and the blocks' saved inputs are split over the tp ranks (all-gather + reduce-scatter in place
+                # of each all-reduce, the same bytes)
                 dp = n // t
                 return GroupJob("text", dp=dp, inner=t, inner_kind="tp" if t > 1 else "none",
-                                zero=1 if dp > 1 else 0, **b)
+                                zero=1 if dp > 1 else 0, sequence_parallel=t > 1, **b)
 
             def vision(m: int, s: int, kind: str = "sp", b: dict = b) -> GroupJob:
                 dp = m // s

@@ -168,3 +168,24 @@ def test_one_base_config():
     assert cfg("train.steps=5").runtime.backend == defaults.runtime.backend
     assert dataclasses.replace(cfg("train.steps=5").train, steps=defaults.train.steps) == defaults.train
     assert cfg("demo", "train.steps=5").to_dict() == load_config(default_config_path(), ["train.steps=5"]).to_dict()
+
+
+@pytest.mark.parametrize("placement,mode,device,expected", [
+    ("collocated", "auto", "cuda", True),  # two processes' caching allocators on one GPU
+    ("collocated", "auto", "cuda:0", True),
+    ("disaggregated", "auto", "cuda", False),  # a GPU per group: nothing to hand back
+    ("disaggregated", "always", "cuda", True),
+    ("collocated", "never", "cuda", False),
+    ("collocated", "always", "cpu", False),  # no CUDA cache on a CPU run
+])
+def test_collocated_workers_empty_their_cuda_cache_between_turns(placement, mode, device, expected):
+    from dhp.backends.ray_workers import empties_cache_between_turns
+
+    cfg = load_config(default_config_path(), [f"runtime.placement={placement}",
+                                               f"runtime.empty_cache_between_turns={mode}"])
+    assert empties_cache_between_turns(cfg, device) is expected
+
+
+def test_empty_cache_mode_is_checked_at_load_time():
+    with pytest.raises(ConfigError, match="runtime.empty_cache_between_turns"):
+        load_config(default_config_path(), ["runtime.empty_cache_between_turns=sometimes"])

@@ -153,3 +153,22 @@ def test_flops_are_the_ranks_own() -> None:
     whole = {m: measure(GroupJob(m, **TINY), cfg).flops for m in ("text", "vision")}
     assert measure(GroupJob("text", inner=2, inner_kind="tp", **TINY), cfg).flops == whole["text"] / 2
     assert measure(GroupJob("vision", inner=2, inner_kind="sp", **TINY), cfg).flops == whole["vision"] / 2
+
+
+def test_text_tp_rows_use_megatron_sequence_parallelism() -> None:
+    """Every text TP job of every strategy runs with Megatron SP (dhp's and the uniform-TP baseline's alike),
+    and its overrides say so; under it a TP 2 rank holds less at its peak than without, and all-gathers and
+    reduce-scatters where it all-reduced, for the same FLOPs."""
+    from dhp.plan.planner import candidate_rows
+
+    rows = candidate_rows(tiny_cfg(), 4, [1024], 256, 1, device="cpu")
+    texts = [r for r in rows if r.jobs["text"].inner_kind == "tp"]
+    assert {r.strategy for r in texts} >= {"uniform-tp", "dhp-collocated"}
+    for r in texts:
+        assert r.jobs["text"].sequence_parallel and "text.parallel.sequence_parallel=true" in r.overrides()
+    job = GroupJob("text", inner=2, inner_kind="tp", **TINY)
+    plain, sp = measure(job, tiny_cfg()), measure(replace(job, sequence_parallel=True), tiny_cfg())
+    assert sp.peak < plain.peak, (sp.peak, plain.peak)
+    assert sp.comm.get("all_gather", 0) > 0 and sp.comm.get("reduce_scatter", 0) > 0
+    assert sp.comm.get("all_reduce", 0) < plain.comm["all_reduce"]
+    assert sp.flops == pytest.approx(plain.flops, rel=0.02)

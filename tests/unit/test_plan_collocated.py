@@ -4,11 +4,15 @@ collocated rank (both groups in one place) against the planner's combination of 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig, TextConfig, VisionConfig
 from dhp.plan import planner
@@ -34,20 +38,16 @@ SHORT = dict(vision_tokens=256, text_tokens=64, device="cpu")
 @pytest.mark.parametrize("module,kind", [("text", "tp"), ("vision", "sp")])
 @pytest.mark.parametrize("ac", [False, True], ids=["no-ac", "ac"])
 def test_depth_extrapolation_matches_whole_model(module: str, kind: str, ac: bool) -> None:
-    """FLOPs and every collective's bytes are exactly linear in the depth, and so is the peak without
-    checkpointing. With it the tracked peak also holds recomputed block graphs until Python's cyclic garbage
-    collector frees them (MemTracker's module hooks put them in reference cycles), which the line does not
-    follow: ``docs/plan.md`` gives the error measured here."""
+    """FLOPs, every collective's bytes and the peak are exactly linear in the depth, with checkpointing too
+    (before ``measure._GC`` the checkpointed peak followed Python's garbage collector, not the depth: up to
+    10 % off here)."""
     cfg = deep_cfg()
     job = GroupJob(module, inner=2, inner_kind=kind, activation_checkpointing=ac, **SHORT)
     ext, whole = measure_model(job, cfg), measure(job, cfg)
     assert ext.flops == pytest.approx(whole.flops, rel=1e-12)
     assert (ext.comm, ext.comm_sent, ext.step_comm) == (whole.comm, whole.comm_sent, whole.step_comm)
     assert (ext.weights, ext.grads, ext.optimizer) == (whole.weights, whole.grads, whole.optimizer)
-    if ac:
-        assert ext.peak == pytest.approx(whole.peak, rel=0.15), (ext.peak, whole.peak)
-    else:
-        assert ext.peak == whole.peak
+    assert ext.peak == whole.peak
 
 
 # ---- a ~0.1B config: the fake prediction against real gloo ranks -------------------------------------------------
@@ -78,11 +78,73 @@ COLLOCATED = {  # one rank of each group on every GPU: the dhp-collocated and un
 }
 
 
+CHECKPOINTED = {  # deep enough that holding every recomputed block would be most of the peak
+    "text-tp2": GroupJob("text", inner=2, inner_kind="tp", activation_checkpointing=True, **SHORT),
+    "vision-sp2": GroupJob("vision", inner=2, inner_kind="sp", activation_checkpointing=True, **SHORT),
+}
+
+
+class _StorageTracker(TorchDispatchMode):
+    """The live bytes of the storages ops make, freed when their storage dies: no module hooks, so nothing
+    the autograd graph holds is kept any longer than the run itself keeps it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: dict[int, Any] = {}
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self.seen.pop(key, None)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor desugars it into local ops, seen here next
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if type(t) in (torch.Tensor, torch.nn.Parameter):  # wrappers (DTensor, AsyncCollectiveTensor) own none
+                st = t.untyped_storage()
+                if st.nbytes() and st.data_ptr() not in self.seen:
+                    self.seen[st.data_ptr()] = weakref.finalize(st, self._free, st.data_ptr(), st.nbytes())
+                    self.live += st.nbytes()
+                    self.peak = max(self.peak, self.live)
+        return out
+
+
+def _untracked_micro_batch_peak(job: GroupJob, model_cfg: Any) -> int:
+    """The bytes a micro-batch of ``job`` adds at its peak on this rank, seen by ``_StorageTracker``: the same
+    build and micro-batch as ``measure(fake=False)``."""
+    from dhp.models.registry import get_family
+    from dhp.plan import measure as m
+
+    cfg = m._config(job)
+    par = m._fake_world(job, cfg.module(job.module).parallel, fake=False)
+    eng, mesh = m._engine_shell(get_family("qwen2_5_vl").module(job.module), model_cfg, cfg, par)
+    eng = m._engine_build(eng, mesh, "cpu")
+    with _StorageTracker() as st:
+        if job.module == "text":
+            b = m._text_batch(job, model_cfg)
+            with eng.autocast():
+                loss = eng.module.loss_sum(b["input_ids"], b["position_ids"], b["targets"],
+                                           {model_cfg.image_token_id: b["media"]}, b["cu_seqlens"])
+            loss.backward()
+        else:
+            samples = m._vision_samples(job, model_cfg)
+            with eng.autocast():
+                embeds = eng.spec.encode(eng.module, samples, eng.par, eng.device)[0].float()
+            del samples
+            embeds.backward(torch.zeros_like(embeds))
+    return st.peak
+
+
 def _real_worker(rank: int, world_size: int) -> dict[str, Any]:
     torch.manual_seed(0)
     out: dict[str, Any] = {k: measure(j, cfg_100m(), fake=False).to_dict() for k, j in LAYOUTS_100M.items()}
     for k, jobs in COLLOCATED.items():
         out[f"collocated-{k}"] = measure_collocated(jobs, tiny_cfg(), fake=False)
+    for k, job in CHECKPOINTED.items():
+        out[f"checkpointed-{k}"] = (measure(job, deep_cfg(), fake=False).to_dict(),
+                                    _untracked_micro_batch_peak(job, deep_cfg()))
     return out
 
 
@@ -104,6 +166,25 @@ def test_100m_prediction_matches_real_gloo_run(real: list[dict[str, Any]], layou
         assert pred.peak == pytest.approx(got["peak"], rel=0.10), (layout, pred.peak, got["peak"])
         assert pred.weights == got["weights"] and pred.optimizer == got["optimizer"]
     assert pred.grads == real[0][layout]["grads"]
+
+
+# ---- checkpointing: the tracked peak against a run without the tracker's module hooks ----------------------------
+
+
+@pytest.mark.parametrize("layout", list(CHECKPOINTED))
+def test_checkpointed_peak_equals_a_run_without_module_hooks(real: list[dict[str, Any]], layout: str) -> None:
+    """Under activation checkpointing ``MemTracker``'s module hooks leave each recomputed block in reference
+    cycles; without the planner's collections (``measure._GC``) the tracked micro-batch peak was 3-4 times
+    what the run holds (32 tiny layers). With them it is within a few percent of a hookless storage tracker's
+    peak on the same rank (measured: text TP 2 6.10 MB against 6.16, vision SP 2 6.53 against 6.75; the two
+    trackers differ in what they see of collectives' outputs), and the fake run's equals the tracked one."""
+    job = CHECKPOINTED[layout]
+    pred = measure(job, deep_cfg())
+    for r in real:
+        tracked, untracked = r[f"checkpointed-{layout}"]
+        above_state = tracked["peak_fb"] - tracked["weights"] - tracked["optimizer"]
+        assert above_state == pytest.approx(untracked, rel=0.05), (layout, above_state, untracked)
+        assert pred.peak_fb == pytest.approx(tracked["peak_fb"], rel=0.01), (layout, pred.peak_fb, tracked)
 
 
 # ---- collocated: the planner's combination against one rank holding both groups --------------------------------
