@@ -169,13 +169,14 @@ def _worker_error_line(detail: str) -> str:
 
 def describe_worker_error(e: BaseException) -> str:
     """One paragraph: module, rank, method, step and the worker's own last error line."""
-    module, rank, method = getattr(e, "module", "?"), getattr(e, "rank", "?"), getattr(e, "method", "?")
+    module, rank = getattr(e, "module", "?"), getattr(e, "rank", "?")
+    what = getattr(e, "what", f"failed in {getattr(e, 'method', '?')}()")
     step = getattr(e, "step", None)
     text = str(e)
     detail = text.split("worker traceback:", 1)[1] if "worker traceback:" in text else text
     where = f"{module} rank {rank}" if isinstance(rank, int) and rank >= 0 else f"the {module} group"
     at_step = f" at step {step}" if step is not None else ""
-    return (f"dhp: worker failure: {where} failed in {method}(){at_step}:\n"
+    return (f"dhp: worker failure: {where} {what}{at_step}:\n"
             f"  {_worker_error_line(detail)}\n"
             "  (the worker's traceback: rerun with --debug; its log is under /tmp/ray/session_latest/logs)")
 

@@ -371,7 +371,7 @@ class Run:
     def _recover(self, error: WorkerError, failures: int, metrics: MetricsLog) -> int:
         """Tear every group down, start fresh ones, resume from the newest complete checkpoint."""
         first_line = str(error).splitlines()[-1] if str(error).strip() else type(error).__name__
-        print(f"dhp: step {error.step}: {error.module} rank {error.rank} failed in {error.method}() ({first_line}); "
+        print(f"dhp: step {error.step}: {error.module} rank {error.rank} {error.what} ({first_line}); "
               f"restarting every group (failure {failures} of runtime.max_failures="
               f"{self.cfg.runtime.max_failures})", flush=True)
         self.backend.shutdown()

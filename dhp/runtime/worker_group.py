@@ -6,7 +6,10 @@ dispatch (``dhp.runtime.dispatch``); ``group.<method>`` gives the bound form
 (``dhp.runtime.binding``). An exception in a worker reaches the driver as a
 ``WorkerError`` naming module, rank and method with the worker's traceback;
 the first failure in completion order is raised at once, so a rank stuck in a
-collective with a dead peer cannot hide another rank's error.
+collective with a dead peer cannot hide another rank's error. A call that
+fails only because one of its inputs could not be made (another group's actor
+died, or raised, while producing it) names that producer, not the consumer:
+Ray reports such a failure at the consumer's ``ray.get``.
 
 A group knows its data-parallel replica structure: ``replica_size`` ranks per
 replica, replica ``r`` being ranks ``r*replica_size .. (r+1)*replica_size-1``
@@ -15,6 +18,7 @@ replica, replica ``r`` being ranks ``r*replica_size .. (r+1)*replica_size-1``
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -32,6 +36,33 @@ from dhp.runtime.placement import ActorResources, Slot
 
 TRANSPORT_METADATA_TIMEOUT_S = 120.0  # from a call's end to its RDT metadata reaching the driver: normally ms
 TRANSPORT_METADATA_GRACE_S = 5.0  # ... after which the driver checks whether the call failed
+
+
+# Every live group's actors, by Ray actor id (hex) -> (module, rank): lets a consumer's failure name the producer
+# in another group whose death or error it inherited through an argument. Driver-process bookkeeping only.
+_OWNERS: dict[str, tuple[str, int]] = {}
+_UNCOMPUTED_INPUT = "input arguments for this task could not be computed"
+_ACTOR_OF_FRAME = re.compile(r"ray::\w+\.(\w+)\(\)[^\n]*?actor_id=([0-9a-f]+)")
+
+
+def _upstream_failure(err: Exception, own_actor: str) -> tuple[str, int, str | None] | None:
+    """(module, rank, method or None if it died) of another registered actor whose failure ``err`` passes on.
+
+    Two shapes (ray 2.60): a dead producer arrives as an error that is also a ``RayActorError`` carrying
+    the producer's ``actor_id``; a producer that raised arrives as a ``RayTaskError`` whose text says
+    an input "could not be computed" and then shows the producer's frame ``ray::Cls.method() (... actor_id=...)``.
+    """
+    actor = getattr(err, "actor_id", None) if isinstance(err, RayActorError) else None
+    if isinstance(actor, str) and actor != own_actor and actor in _OWNERS:
+        return (*_OWNERS[actor], None)
+    text = str(err)
+    at = text.find(_UNCOMPUTED_INPUT)
+    if at < 0:
+        return None
+    for method, actor in _ACTOR_OF_FRAME.findall(text[at:]):
+        if actor != own_actor and actor in _OWNERS:
+            return (*_OWNERS[actor], method)
+    return None
 
 
 def check_replica_size(module: str, n_ranks: int, replica_size: int) -> None:
@@ -68,6 +99,7 @@ class WorkerGroup:
         self.actors = [
             self._spawn(remote_cls, r, pg, bundle_of or {}, kwargs or {}, resources) for r in range(n_ranks)
         ]
+        _OWNERS.update({a._actor_id.hex(): (module, r) for r, a in enumerate(self.actors)})
         self._gather("dhp_bind", [a.dhp_bind.remote(module, r, n_ranks) for r, a in enumerate(self.actors)])
 
     def _spawn(
@@ -225,15 +257,30 @@ class WorkerGroup:
     def _get_one(self, method: str, rank: int, ref: ray.ObjectRef) -> Any:
         try:
             return ray.get(ref)
-        except RayTaskError as e:
-            raise WorkerError(self.module, rank, method, str(e)) from None
-        except RayActorError as e:
-            raise WorkerError(self.module, rank, method, f"the actor died: {e}") from None
+        except (RayTaskError, RayActorError) as e:
+            raise self._error(method, rank, e) from None
         except GetTimeoutError as e:  # pragma: no cover - ray.wait said it was ready
             raise WorkerError(self.module, rank, method, str(e)) from None
 
+    def _error(self, method: str, rank: int, err: Exception) -> WorkerError:
+        """The failure of ``method`` on ``rank`` as a WorkerError naming the actor at fault: this rank, or
+        the producer in another group whose failure reached this call through an argument."""
+        upstream = _upstream_failure(err, self.actors[rank]._actor_id.hex())
+        if upstream is not None:
+            module, producer_rank, producer_method = upstream
+            consumer = f"{self.module} rank {rank}'s {method}()"
+            if producer_method is None:  # Ray does not say which of the dead actor's calls it was in
+                return WorkerError(module, producer_rank, "?", f"the actor died: {err}",
+                                   what=f"died while making an input of {consumer}")
+            return WorkerError(module, producer_rank, producer_method, str(err),
+                               what=f"failed in {producer_method}(), making an input of {consumer}")
+        if isinstance(err, RayActorError) and not isinstance(err, RayTaskError):
+            return WorkerError(self.module, rank, method, f"the actor died: {err}")
+        return WorkerError(self.module, rank, method, str(err))
+
     def kill(self) -> None:
         for a in self.actors:
+            _OWNERS.pop(a._actor_id.hex(), None)
             try:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone is fine

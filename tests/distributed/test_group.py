@@ -75,6 +75,11 @@ class ToyWorker(WorkerBase):
             raise ValueError(f"toy failure while producing, rank {self.rank}")
         return torch.ones(3)
 
+    @produces_tensors
+    def produce_slowly(self, seconds: float) -> torch.Tensor:
+        time.sleep(seconds)
+        return torch.ones(3)
+
     @dispatch(Mode.SCATTER)
     def consume(self, t: torch.Tensor) -> torch.Tensor:
         return t.clone()
@@ -226,6 +231,30 @@ def test_collocated_grads_errors_and_shutdown(ray_cluster: dict) -> None:
     while _alive(rt.run_id) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _alive(rt.run_id) == []
+
+
+def test_a_consumer_names_the_producer_whose_failure_it_inherits(ray_cluster: dict) -> None:
+    """A text call handed a vision output that could not be made fails at the text ref's ``ray.get``; the
+    error names the vision rank (and its method where Ray says it), not the text rank that only inherited it."""
+    with Runtime({"vision": _spec(1), "text": _spec(1)}, placement="collocated", transport="object_store",
+                 cpus_per_worker=0.5) as rt:
+        vision, text = rt["vision"], rt["text"]
+        raised = vision.submit_rank(0, "produce_or_fail", 0)  # not awaited: text gets the failed ref
+        with pytest.raises(WorkerError) as e:
+            text.get("consume", text.submit("consume", [raised]))
+        assert (e.value.module, e.value.rank, e.value.method) == ("vision", 0, "produce_or_fail")
+        assert "making an input of text rank 0's consume()" in str(e.value)
+        assert "toy failure while producing, rank 0" in str(e.value)
+
+        slow = vision.submit_rank(0, "produce_slowly", 60.0)
+        consumer = text.submit("consume", [slow])
+        time.sleep(1.0)
+        ray.kill(vision.actors[0], no_restart=True)  # the producer dies mid-call
+        with pytest.raises(WorkerError) as e:
+            text.get("consume", consumer, timeout_s=60)
+        assert (e.value.module, e.value.rank) == ("vision", 0)
+        assert str(e.value).startswith("vision rank 0 died while making an input of text rank 0's consume()")
+        assert text.call("fail_on", 1) == [0]  # the consumer itself is fine
 
 
 def test_plans_and_fit_checks_without_actors(ray_cluster: dict) -> None:
