@@ -62,6 +62,10 @@ class TrainConfig:
     clip_grad_norm: float = 1.0  # <= 0 disables clipping
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # cross entropy through lm_head this many tokens at a time (the float32 logits [tokens, vocab] are never
+    # whole; the head's forward is recomputed in the backward); 0: whole logits, as transformers does.
+    # Not under text tensor parallelism, whose vocab-parallel loss holds only a vocabulary shard.
+    loss_chunk_tokens: int = 1024
     device: Literal["auto", "cpu", "cuda"] = "auto"  # local backend; auto: cuda when available
     log_every: int = 1
     eval_at_end: bool = True
@@ -170,6 +174,7 @@ class Config:
         _check(self.runtime.encoders_ahead >= 0, "runtime.encoders_ahead", "must be >= 0")
         _check(t.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0 (0: no periodic checkpoints)")
         _check(t.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0: keep all)")
+        _check(t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", "must be >= 0 (0: the whole logits at once)")
         _check(self.runtime.max_failures >= 0, "runtime.max_failures", "must be >= 0")
         _check(self.runtime.collective_timeout_s > 0, "runtime.collective_timeout_s", "must be > 0 seconds")
         trace = self.output.trace_steps

@@ -171,6 +171,7 @@ class ModuleEngine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         with torch.device("meta"):  # no rank ever holds the whole module: parallelized on meta, then materialized
             self.module = spec.build(model_cfg)
+        self._set_loss_chunking()
         self.amp = cfg.train.dtype == "bfloat16"
         self._set_trainable()
         self.fsdp = self.mcfg.parallel.zero == 3 and self.par.distributed
@@ -207,6 +208,12 @@ class ModuleEngine:
         if _unwrapped(name).startswith(self.spec.projector_prefixes or ("\0",)):
             return self.cfg.merger.lr_scale, self.cfg.merger.trainable
         return self.mcfg.lr_scale, self.mcfg.trainable
+
+    def _set_loss_chunking(self) -> None:
+        """``train.loss_chunk_tokens`` onto a module that takes its loss in chunks (an optional attribute of a
+        family's language module, ``TextModel.loss_chunk_tokens``)."""
+        if hasattr(self.module, "loss_chunk_tokens"):
+            self.module.loss_chunk_tokens = self.cfg.train.loss_chunk_tokens
 
     def _set_trainable(self) -> None:
         for name, p in self.module.named_parameters():

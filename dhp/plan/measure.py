@@ -53,6 +53,7 @@ class GroupJob:
     device: str = "cuda"  # the engine's decisions follow this device type (FSDP2 bf16 policy on cuda)
     dtype: str = "bfloat16"
     optimizer: str = "adamw"
+    loss_chunk_tokens: int | None = None  # train.loss_chunk_tokens; None: the trainer's default
     static: bool = False  # build, gradients and optimizer state only: no forward (closed-form checks)
 
     @property
@@ -184,6 +185,8 @@ def _config(job: GroupJob) -> Any:
     cfg = Config()
     cfg.train.dtype = job.dtype
     cfg.train.optimizer = job.optimizer
+    if job.loss_chunk_tokens is not None:
+        cfg.train.loss_chunk_tokens = job.loss_chunk_tokens
     sp = job.inner if job.inner_kind == "sp" else 1
     tp = job.inner if job.inner_kind == "tp" else 1
     cfg.modules[job.module] = ModuleConfig(activation_checkpointing=job.activation_checkpointing,
@@ -218,6 +221,7 @@ def _engine_build(eng: Any, fsdp_mesh: Any, device_type: str) -> Any:
     spec, cfg = eng.spec, eng.cfg
     with torch.device("cpu"):
         eng.module = spec.build(eng.model_cfg)
+    eng._set_loss_chunking()
     eng.amp = cfg.train.dtype == "bfloat16"
     eng._set_trainable()
     policy = None

@@ -144,6 +144,8 @@ HYBRID = {
                          "text.parallel.zero=3"],
     "activation_checkpointing": ["vision.parallel.sp=2", "vision.activation_checkpointing=true",
                                  "text.activation_checkpointing=true"],
+    # the loss a few tokens at a time (dhp.models.loss) under FSDP2, against the reference's whole logits
+    "text_zero3_chunked_loss": ["text.parallel.dp=2", "text.parallel.zero=3", "train.loss_chunk_tokens=7"],
 }
 
 

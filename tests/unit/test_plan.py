@@ -172,3 +172,21 @@ def test_text_tp_rows_use_megatron_sequence_parallelism() -> None:
     assert sp.comm.get("all_gather", 0) > 0 and sp.comm.get("reduce_scatter", 0) > 0
     assert sp.comm.get("all_reduce", 0) < plain.comm["all_reduce"]
     assert sp.flops == pytest.approx(plain.flops, rel=0.02)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # float32 weights under autocast; FSDP2's bf16 copies
+def test_chunked_loss_lowers_the_text_peak_and_recomputes_the_head_once(device: str) -> None:
+    """``train.loss_chunk_tokens``: the planner measures the trainer's chunked cross entropy. Its peak is lower
+    by at least a float32 [N, V] tensor (the float32 logits), and it counts the head's forward once more
+    (recomputed in the backward): 2 N D V FLOPs, N the micro-batch's tokens."""
+    cfg = tiny_cfg()
+    d, v = cfg.text.hidden_size, cfg.text.vocab_size
+    job = GroupJob("text", dp=2, zero=3, **{**TINY, "device": device})
+    whole = measure(replace(job, loss_chunk_tokens=0), cfg)
+    chunked = measure(replace(job, loss_chunk_tokens=64), cfg)
+    extra = chunked.flops - whole.flops
+    assert extra > 0 and extra % (2 * d * v) == 0
+    n = TINY["text_tokens"] + TINY["vision_tokens"] // 4  # text + merged image placeholders
+    assert extra == 2 * n * d * v
+    assert whole.peak - chunked.peak >= n * v * 4, (whole.peak, chunked.peak)  # a float32 [N, V] at least
+    assert chunked.weights == whole.weights and chunked.grads == whole.grads

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dhp.models.layers import RMSNorm, SwiGLU, apply_rotary, has_values, packed_attention
+from dhp.models.loss import chunked_linear_cross_entropy_sum
 from dhp.models.qwen2_5_vl.config import TextConfig
 from dhp.parallel.tensor import vocab_parallel_cross_entropy_sum
 
@@ -91,7 +92,14 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    """Decoder plus ``lm_head``: the whole language side, as one runtime group holds it."""
+    """Decoder plus ``lm_head``: the whole language side, as one runtime group holds it.
+
+    ``loss_chunk_tokens``: ``loss_sum`` takes the cross entropy through ``lm_head`` this many tokens at a time
+    when a micro-batch has more (``dhp.models.loss``: the float32 logits are never whole); 0, the default of a
+    bare model, always makes the whole logits. The trainer sets it from ``train.loss_chunk_tokens``.
+    """
+
+    loss_chunk_tokens: int = 0
 
     def __init__(self, cfg: TextConfig, image_token_id: int) -> None:
         super().__init__()
@@ -164,7 +172,12 @@ class TextModel(nn.Module):
         """Summed next-token cross entropy; ``targets [B, L]`` are already shifted (-100: not supervised).
 
         Under tensor parallelism (``parallelize_text``) the logits are a DTensor sharded on the vocabulary and
-        the loss is the vocab-parallel cross entropy: the same float32 sum, a plain scalar on every rank."""
+        the loss is the vocab-parallel cross entropy: the same float32 sum, a plain scalar on every rank.
+        Otherwise, past ``loss_chunk_tokens`` tokens, the head and the loss run chunk by chunk (the same sum)."""
+        chunk = self.loss_chunk_tokens
+        if chunk > 0 and input_ids.numel() > chunk and not isinstance(self.lm_head.weight, DTensor):
+            hidden = self.hidden_states(input_ids, position_ids, media, cu_seqlens)  # [B, L, D]
+            return chunked_linear_cross_entropy_sum(hidden, self.lm_head.weight, targets, chunk)
         logits = self.forward(input_ids, position_ids, media, cu_seqlens)
         if isinstance(logits, DTensor):  # tensor parallel: logits sharded on the vocabulary, never gathered
             return vocab_parallel_cross_entropy_sum(logits, targets)

@@ -1,0 +1,110 @@
+"""The chunked cross entropy through the head equals the whole-logits one: loss and both gradients."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dhp.config import load_config
+from dhp.models.loss import chunked_linear_cross_entropy_sum
+from dhp.models.qwen2_5_vl.config import preset
+from dhp.models.registry import get_family
+
+
+def _whole(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(hidden, weight)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100,
+                           reduction="sum")
+
+
+def _case(seed: int, b: int, n: int, d: int, v: int, dtype: torch.dtype = torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, n, d, generator=g, dtype=dtype)
+    weight = torch.randn(v, d, generator=g, dtype=dtype) / d**0.5
+    targets = torch.randint(0, v, (b, n), generator=g)
+    targets[torch.rand(b, n, generator=g) < 0.4] = -100  # unsupervised tokens, some whole chunks of them
+    targets[:, :3] = -100
+    return hidden, weight, targets
+
+
+def _loss_and_grads(fn, hidden, weight, targets, scale: float = 1.0):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fn(h, w, targets)
+    (loss * scale).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize(("chunk", "shape"), [(1, (1, 9, 4, 11)), (3, (2, 10, 8, 23)), (7, (3, 17, 6, 31)),
+                                              (64, (2, 10, 8, 23))])
+def test_equals_whole_logits(chunk, shape):
+    """float64 matmuls, the loss in float32 on both paths: equal to float32 rounding (a wrong chunk boundary,
+    mask or gradient term is off by far more)."""
+    hidden, weight, targets = _case(sum(shape) + chunk, *shape)
+    ref = _loss_and_grads(_whole, hidden, weight, targets, scale=0.37)
+    got = _loss_and_grads(lambda h, w, t: chunked_linear_cross_entropy_sum(h, w, t, chunk), hidden, weight, targets,
+                          scale=0.37)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_under_bf16_autocast_it_follows_the_whole_path():
+    """Logits in autocast's bf16, the loss in float32, the weight's gradient back in its own float32."""
+    hidden, weight, targets = _case(5, 2, 24, 16, 40, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _loss_and_grads(_whole, hidden, weight, targets)
+        got = _loss_and_grads(lambda h, w, t: chunked_linear_cross_entropy_sum(h, w, t, 5), hidden, weight, targets)
+    assert got[0].dtype == torch.float32 and got[2].dtype == torch.float32
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[1:], ref[1:], strict=True):  # bf16 matmuls: blocked sums round differently
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+def test_no_supervised_token_gives_zero_loss_and_gradients():
+    hidden, weight, targets = _case(2, 1, 8, 4, 9)
+    targets[:] = -100
+    loss, gh, gw = _loss_and_grads(lambda h, w, t: chunked_linear_cross_entropy_sum(h, w, t, 3), hidden, weight,
+                                   targets)
+    assert loss.item() == 0.0 and not gh.any() and not gw.any()
+
+
+def test_chunk_must_be_positive():
+    hidden, weight, targets = _case(0, 1, 4, 4, 5)
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        chunked_linear_cross_entropy_sum(hidden, weight, targets, 0)
+
+
+def test_text_model_loss_sum_chunks_past_the_setting():
+    """The language module with tied embeddings (both uses of the weight get their gradient): the chunked
+    ``loss_sum`` equals the whole one, and a micro-batch within the setting takes the whole path."""
+    tiny = preset("tiny")
+    cfg = dataclasses.replace(tiny, text=dataclasses.replace(tiny.text, tie_word_embeddings=True))
+    torch.manual_seed(0)
+    model = get_family("qwen2_5_vl").module("text").build(cfg).double()
+    assert model.lm_head.weight is model.embed_tokens.weight and model.loss_chunk_tokens == 0
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 100, (2, 13), generator=g)
+    pos = torch.arange(13).expand(3, 2, 13)
+    targets = ids.roll(-1, 1)
+    targets[:, :4] = -100
+
+    def run(chunk: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        model.loss_chunk_tokens = chunk
+        loss = model.loss_sum(ids, pos, targets)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    whole, chunked, within = run(0), run(5), run(26)
+    torch.testing.assert_close(chunked[0], whole[0], rtol=1e-6, atol=1e-6)
+    for n, grad in whole[1].items():
+        torch.testing.assert_close(chunked[1][n], grad, rtol=1e-5, atol=1e-7)
+    assert torch.equal(within[0], whole[0])
+
+
+def test_the_setting_reaches_the_language_module_and_is_checked():
+    assert load_config(None, []).train.loss_chunk_tokens > 0  # on by default
+    with pytest.raises(Exception, match="train.loss_chunk_tokens"):
+        load_config(None, ["train.loss_chunk_tokens=-1"])
