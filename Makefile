@@ -28,8 +28,12 @@ demo: venv
 lint: venv
 	$(VENV)/bin/ruff check dhp tests benchmarks
 
+# The suite mostly waits (Ray actors and gloo ranks starting, one process each): three pytest workers keep the
+# two cores of the development machine busy. `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= 3
+
 test: venv lint
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist load tests
 
 clean:
 	rm -rf $(VENV) outputs

@@ -9,7 +9,8 @@ warm-up steps are left out of every figure. Per layout ``bench.json`` holds:
 * per group: ``busy`` and ``idle`` (mean over its ranks of the fraction of the step they compute),
   ``imbalance`` (busiest replica over the mean), ``mfu``, ``peak_memory_gb`` (the peak of its busiest rank);
 * ``comm_bytes_per_step``: bytes each group hands to each kind of collective per step (all ranks);
-  ``router_bytes_per_step``: embeddings and gradients moved between the groups;
+  ``router_bytes_per_step``: embeddings and gradients moved between the groups, and
+  ``router_bytes_per_step_by_direction`` (``forward``: embeddings, ``backward``: their gradients);
 * ``vision_comm_ratio_sp_tp`` (top level): vision collective bytes under ``dhp`` over ``uniform_tp``.
 
 The default layouts for ``--workers W`` (even, >= 4) use W workers each, W/2 per group, on
@@ -89,7 +90,8 @@ def parse_layouts(spec: str, workers: int) -> dict[str, list[str]]:
 
 def layout_config(config: str | Path | None, overrides: list[str], layout: list[str], name: str, out: Path,
                   steps: int, warmup: int) -> Config:
-    fixed = ["runtime.backend=ray", f"train.steps={warmup + steps}", f"output.dir={out / name}",
+    fixed = ["runtime.backend=ray", "runtime.count_collectives=true", f"train.steps={warmup + steps}",
+             f"output.dir={out / name}",
              "output.overwrite=true", "output.save_final=false", "train.eval_at_end=false",
              "train.checkpoint_every=0", "train.resume=none"]
     return load_config(config, [*overrides, *layout, *fixed])
@@ -104,6 +106,8 @@ def summarize(rows: list[dict], warmup: int, modules: list[str]) -> dict[str, An
         "step_time_s": seconds / len(measured),
         "tokens_per_s": sum(r["tokens"] for r in measured) / seconds,
         "router_bytes_per_step": mean(r.get("router_bytes", 0) for r in measured),
+        "router_bytes_per_step_by_direction": {d: mean(r.get(f"router_bytes_{d}", 0) for r in measured)
+                                               for d in ("forward", "backward")},
         "loss": [r["loss"] for r in measured],
         "groups": {},
         "comm_bytes_per_step": {},
@@ -128,6 +132,7 @@ def run_bench(config: str | Path | None, overrides: list[str], layouts: dict[str
     """Train every layout in turn; write ``output.dir/bench.json`` and the charts; return the results."""
     from dhp.train import train
 
+    overrides = fit_to_machine(config, overrides, layouts)
     base = load_config(config, overrides)
     out = Path(base.output.dir)
     results: dict[str, Any] = {"steps": steps, "warmup": warmup, "overrides": overrides, "layouts": {}}
@@ -155,6 +160,30 @@ def run_bench(config: str | Path | None, overrides: list[str], layouts: dict[str
     print_table(results)
     print(f"dhp bench: {out / 'bench.json'}; charts: {', '.join(results['plots'])}", flush=True)
     return results
+
+
+def fit_to_machine(config: str | Path | None, overrides: list[str], layouts: dict[str, list[str]],
+                   cpus: int | None = None) -> list[str]:
+    """``overrides`` with ``runtime.cpus_per_worker`` lowered so that the largest layout fits this machine's CPUs,
+    as the demo's config fits its two workers on two cores; said before Ray starts. Left as is when the user set
+    the key on the command line, or the run joins a Ray cluster (whose resources are its own)."""
+    import os
+
+    if any(o.split("=", 1)[0].strip() == "runtime.cpus_per_worker" for o in overrides):
+        return overrides
+    base = load_config(config, overrides, check_files=False)
+    if base.runtime.ray_address or os.environ.get("RAY_ADDRESS"):
+        return overrides
+    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    workers = max(sum(p.dp * p.sp * p.tp for p in (m.parallel for m in cfg.modules.values()))
+                  for cfg in (load_config(config, [*overrides, *layout], check_files=False)
+                              for layout in layouts.values()))
+    if workers * base.runtime.cpus_per_worker <= cpus + 1e-9:
+        return overrides
+    share = cpus / workers
+    print(f"dhp bench: {workers} workers per layout on this machine's {cpus} CPUs: "
+          f"runtime.cpus_per_worker={share:g} (was {base.runtime.cpus_per_worker:g}; set it to choose)", flush=True)
+    return [*overrides, f"runtime.cpus_per_worker={share:g}"]
 
 
 def print_table(results: dict[str, Any]) -> None:
@@ -276,7 +305,8 @@ def layout_jobs(cfg: Config) -> dict[str, GroupJob]:
         inner, kind = (p.sp, "sp") if p.sp > 1 else (p.tp, "tp") if p.tp > 1 else (1, "none")
         jobs[name] = GroupJob(name, dp=p.dp, inner=inner, inner_kind=kind, zero=p.zero,
                               activation_checkpointing=m.activation_checkpointing, text_tokens=SHORT_TEXT,
-                              micro_batch_size=1, device="cpu", dtype=cfg.train.dtype, optimizer=cfg.train.optimizer)
+                              micro_batch_size=1, device="cpu", dtype=cfg.train.dtype, optimizer=cfg.train.optimizer,
+                              precision=cfg.train.precision)
     return jobs
 
 

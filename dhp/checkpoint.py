@@ -129,33 +129,112 @@ class Mismatch:
     now: Any
 
     def __str__(self) -> str:
-        return f"{self.what}: the checkpoint has {self.saved!r}, this run has {self.now!r}"
+        return f"{self.what}: the checkpoint has {_shown(self.saved)}, this run has {_shown(self.now)}"
 
 
-def compatibility(record: dict[str, Any], family: str, model: dict, data: str, cfg: dict) -> list[Mismatch]:
-    """What makes a checkpoint unusable for this run: another model, other data, other batches."""
-    out = []
+def _shown(value: Any) -> str:
+    return value if isinstance(value, Described) else repr(value)
+
+
+class Described(str):
+    """A value shown as its own words in a Mismatch (a description, not a config value to quote)."""
+
+
+# Keys a resumed run may change with train.resume_changes=allow (from the checkpoint's step on): the schedule
+# (steps, learning rate, warmup, ...), the optimizer's hyperparameters, the precision and the data's resizing.
+# Each changes what the run computes, so each is named and refused unless the user allows it.
+SCHEDULE_KEYS = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "betas", "eps", "momentum",
+                 "clip_grad_norm", "dtype", "precision")
+BATCH_KEYS = ("seed", "global_batch_size")  # the batch plan itself: another is another run, never resumed
+DATA_KEYS = ("image_root", "min_pixels", "max_pixels", "video_fps", "video_min_frames", "video_max_frames",
+             "video_max_pixels", "video_total_pixels", "max_audio_seconds")
+
+
+@dataclass
+class Compatibility:
+    """``refused``: what no setting can resume across (another model, other data, another optimizer, another
+    batch plan: seed or global batch, other trainable modules); ``changed``: keys that differ and need
+    ``train.resume_changes=allow``."""
+
+    refused: list[Mismatch]
+    changed: list[Mismatch]
+
+
+def compatibility(record: dict[str, Any], family: str, model: dict, data: str, cfg: dict,
+                  data_path: str | None = None, num_samples: int | None = None) -> Compatibility:
+    """How this run differs from the checkpoint's: what refuses the resume outright, and the keys it changes."""
+    refused = []
     if record.get("family") != family:
-        out.append(Mismatch("model.family", record.get("family"), family))
+        refused.append(Mismatch("model.family", record.get("family"), family))
     if record.get("model") != model:
         diff = sorted(k for k in set(model) | set(record.get("model", {}))
                       if model.get(k) != record.get("model", {}).get(k))
-        out.append(Mismatch(f"model config ({', '.join(diff)})", "another model", "this one"))
+        refused.append(Mismatch(f"the model config ({', '.join(diff)})", Described("another model"),
+                                Described("this run's model.preset / model.hf_path")))
     if record.get("data_fingerprint") != data:
-        out.append(Mismatch("training data (data.path and its samples)", "other data", "this data"))
-    saved_train = record.get("config", {}).get("train", {})
-    for key in ("seed", "global_batch_size"):
-        if saved_train.get(key) != cfg["train"][key]:
-            out.append(Mismatch(f"train.{key}", saved_train.get(key), cfg["train"][key]))
-    return out
+        refused.append(Mismatch("the training data (data.path and its samples)",
+                                Described(_data_text(record.get("data_path"), record.get("num_samples"),
+                                                     record.get("data_fingerprint"))),
+                                Described(_data_text(data_path, num_samples, data))))
+    saved = record.get("config", {})
+    for key in ("optimizer", *BATCH_KEYS):
+        old = _section(saved, "train").get(key, cfg["train"][key])
+        if old != cfg["train"][key]:
+            refused.append(Mismatch(f"train.{key}", old, cfg["train"][key]))
+    modules = [k for k, v in cfg.items() if isinstance(v, dict) and "trainable" in v]
+    for name in modules:
+        old = _section(saved, name).get("trainable", cfg[name]["trainable"])
+        if old != cfg[name]["trainable"]:
+            refused.append(Mismatch(f"{name}.trainable", old, cfg[name]["trainable"]))
+    changed = []
+    for sec, keys in (("train", SCHEDULE_KEYS), ("data", DATA_KEYS),
+                      *((name, ("lr_scale",)) for name in modules)):
+        for key in keys:
+            if key not in cfg.get(sec, {}) or key not in _section(saved, sec):
+                continue
+            old, now = _plain(_section(saved, sec)[key]), _plain(cfg[sec][key])
+            if old != now:
+                changed.append(Mismatch(f"{sec}.{key}", old, now))
+    return Compatibility(refused, changed)
+
+
+def _section(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    return cfg.get(name) or {}  # an older checkpoint's config may lack a section
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _data_text(path: str | None, num_samples: int | None, fingerprint: str | None) -> str:
+    return (f"{path or 'an unknown file'} ({num_samples if num_samples is not None else '?'} usable samples, "
+            f"SHA-256 {str(fingerprint)[:12]}...)")
 
 
 # ---- export ----------------------------------------------------------------------------------------------
 
 
+# What a drop-in copy carries over besides the weights and config.json: the tokenizer's files from the tokenizer
+# directory, the processor's and generation's from the checkpoint the run started from (model.hf_path).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "chat_template.json", "chat_template.jinja")
+SOURCE_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
+                "generation_config.json", "chat_template.json", "chat_template.jinja")
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def source_dir(cfg: Any) -> Path | None:
+    """The Hugging Face checkpoint a run started from (``model.hf_path``), when it is still there."""
+    path = getattr(cfg.model, "hf_path", None)
+    return Path(path) if path and Path(path).is_dir() else None
+
+
 def export_hf(ckpt: Path, out: Path, family: Any, model_cfg: Any, tokenizer_dir: Path | None = None,
-              dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 2**30) -> Path:
-    """A Hugging Face directory from a checkpoint: config.json, sharded safetensors with their index, tokenizer.
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 2**30,
+              source_dir: Path | None = None) -> Path:
+    """A Hugging Face directory from a checkpoint, a drop-in copy of the one the run started from: config.json
+    (with its bos/eos/pad ids), sharded safetensors with their index, the tokenizer's files, and the source's
+    processor, chat template and generation config (``carry_files``).
 
     Streams: reads the tensors of one output shard from the DCP files, writes it, frees it; the whole model
     is never in memory. Tied weights are written once (as HF expects)."""
@@ -204,12 +283,63 @@ def export_hf(ckpt: Path, out: Path, family: Any, model_cfg: Any, tokenizer_dir:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     config = family.hf_config(model_cfg, out_dtype or torch.float32)
+    ids = token_ids(source_dir, tokenizer_dir)
+    config.update(ids)
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"].update(ids)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if tokenizer_dir is not None:
-        for f in Path(tokenizer_dir).glob("tokenizer*.json"):
-            shutil.copy(f, out / f.name)
+    carry_files(out, tokenizer_dir, source_dir, ids)
     (out / "dhp_export.json").write_text(json.dumps({"checkpoint": str(ckpt), "step": record["step"]}) + "\n")
     return out
+
+
+def token_ids(source: Path | None, tokenizer_dir: Path | None) -> dict[str, Any]:
+    """bos/eos/pad ids for config.json: the source checkpoint's own (top level or text_config), else Qwen's
+    choice from the tokenizer (bos = pad = ``<|endoftext|>``, eos = ``<|im_end|>``, as Qwen2.5-VL-Instruct)."""
+    found: dict[str, Any] = {}
+    if source is not None and (source / "config.json").is_file():
+        d = json.loads((source / "config.json").read_text())
+        for key in TOKEN_ID_KEYS:
+            for where in (d, d.get("text_config") or {}, (d.get("thinker_config") or {}).get("text_config") or {}):
+                if where.get(key) is not None:
+                    found.setdefault(key, where[key])
+    if len(found) == len(TOKEN_ID_KEYS) or tokenizer_dir is None or not (tokenizer_dir / "tokenizer.json").is_file():
+        return found
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    end, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    for key, value in (("bos_token_id", end), ("eos_token_id", im_end), ("pad_token_id", end)):
+        if value is not None:
+            found.setdefault(key, value)
+    return found
+
+
+def carry_files(out: Path, tokenizer_dir: Path | None, source: Path | None, ids: dict[str, Any]) -> list[str]:
+    """Copy the tokenizer's files and the source checkpoint's processor, chat template and generation config into
+    ``out``; without a source generation config, write one from ``ids`` (eos: ``<|im_end|>`` and
+    ``<|endoftext|>``, as Qwen's). Returns the names written."""
+    written = []
+    if out.resolve() not in {Path(f).resolve() for f in (source, tokenizer_dir) if f is not None}:
+        for name in {*SOURCE_FILES, *TOKENIZER_FILES}:  # an earlier export's into the same directory
+            (out / name).unlink(missing_ok=True)
+    for folder, names in ((source, SOURCE_FILES), (tokenizer_dir, TOKENIZER_FILES)):  # the tokenizer's win
+        if folder is None:
+            continue
+        for name in names:
+            f = Path(folder) / name
+            if f.is_file() and f.resolve() != (out / name).resolve():
+                shutil.copy(f, out / name)
+                written.append(name)
+    if not (out / "generation_config.json").is_file() and ids:
+        eos = ids.get("eos_token_id")
+        if isinstance(eos, int) and ids.get("bos_token_id") not in (None, eos):
+            eos = [eos, ids["bos_token_id"]]
+        gen = {k: v for k, v in {"bos_token_id": ids.get("bos_token_id"), "eos_token_id": eos,
+                                 "pad_token_id": ids.get("pad_token_id")}.items() if v is not None}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        written.append("generation_config.json")
+    return sorted(set(written))
 
 
 def _read(ckpt: Path, items: list[tuple[str, str, str, Any]]) -> list[torch.Tensor]:
@@ -243,5 +373,7 @@ def export_checkpoint(ckpt: Path, out: Path, dtype: torch.dtype | None = None,
     from dhp.inputs import resolve_inputs
 
     record = read_record(ckpt)
-    inputs = resolve_inputs(config_from_dict(record["config"]))
-    return export_hf(ckpt, out, inputs.family, inputs.model_cfg, inputs.tokenizer_dir, dtype, max_shard_bytes)
+    cfg = config_from_dict(record["config"])
+    inputs = resolve_inputs(cfg)
+    return export_hf(ckpt, out, inputs.family, inputs.model_cfg, inputs.tokenizer_dir, dtype, max_shard_bytes,
+                     source_dir=source_dir(cfg))

@@ -13,8 +13,10 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 import textwrap
+import threading
 import traceback
 from importlib import resources
 from pathlib import Path
@@ -60,10 +62,45 @@ def _config(args: argparse.Namespace):
     return load_config(config, overrides)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    cfg = _config(args)
-    from dhp.train import train
+class EarlySignals:
+    """Ctrl-C / SIGTERM while a command loads its libraries: recorded, then raised at a safe point (``release``).
 
+    Python's default handler raises KeyboardInterrupt wherever the main thread is, and a library being imported
+    can swallow it (seen: an interrupt about 2 s into `dhp train` lost, the run trained to its end)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self) -> EarlySignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._record)
+        return self
+
+    def _record(self, signum: int, frame: object) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: at once
+        self.signum = signum
+
+    def release(self) -> None:
+        """Python's own handlers again; a signal recorded meanwhile stops the command here, with 128 + its number."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self.signum is not None:
+            from dhp.errors import Interrupted
+
+            name = signal.Signals(self.signum).name
+            raise Interrupted(self.signum, f"stopped by {name} before training started; nothing to resume")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    early = EarlySignals().install()  # until the libraries are loaded (the run installs its own handler later)
+    try:
+        cfg = _config(args)
+        from dhp.train import train
+    finally:
+        early.release()
     train(cfg)
     return 0
 
@@ -279,7 +316,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     out = export_checkpoint(Path(args.checkpoint), Path(args.out), dtype)
-    print(f"dhp: exported {args.checkpoint} to {out} (config.json, safetensors, tokenizer)")
+    print(f"dhp: exported {args.checkpoint} to {out} (config.json with the bos/eos/pad ids, safetensors, the "
+          "tokenizer, and the source checkpoint's processor, chat template and generation config)")
     return 0
 
 
@@ -359,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--vision-tokens", default="16384,65536", help="vision patches per sample, comma-separated")
     pl.add_argument("--text-tokens", type=int, default=4096, help="text tokens per sample besides the image's")
     pl.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
+    pl.add_argument("--precision", choices=["fp32_master", "bf16", "bf16_plain"], default="fp32_master",
+                    help="train.precision of every group: float32 master weights (default) or pure bf16")
     pl.add_argument("--strategies", default=None,
                     help="comma-separated subset of dhp-collocated,dhp-disaggregated,uniform-tp,zero3")
     pl.add_argument("--json", default=None, help="write the rows as JSON here")
@@ -374,6 +414,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``dhp`` command. Called as the program (``argv`` None), a run stopped by a signal leaves at once
+    (``os._exit``, output flushed): the workers are gone by then, and nothing is left to finalize but Ray's and
+    torch's threads, whose teardown at interpreter exit is no part of a clean stop."""
+    code = _run(argv)
+    if argv is None and code >= 128:  # 130: Ctrl-C, 143: SIGTERM
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():  # a Ray this run joined or left up: disconnect first
+            ray.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     debug = _debug_wanted(args)
     _ray_startup_messages(show=debug)

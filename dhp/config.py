@@ -42,6 +42,7 @@ class DataConfig:
     max_audio_seconds: float = 30.0  # a longer audio clip is an error (named), or skipped; at most 30 (Whisper's)
     max_length: int = 2048
     on_error: Literal["raise", "skip"] = "raise"
+    loader_workers: int = 2  # threads per encoder worker decoding its next rounds ahead (Ray backend); 0: none
     eval_samples: int = 200  # at most this many held-out samples are evaluated
     max_new_tokens: int = 8  # greedy decoding length in evaluation
 
@@ -61,7 +62,19 @@ class TrainConfig:
     eps: float = 1e-8
     clip_grad_norm: float = 1.0  # <= 0 disables clipping
     seed: int = 0
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    # compute dtype; auto: bfloat16 on CUDA, float32 on CPU (and bfloat16 under a pure-bf16 precision);
+    # the driver's start line says which (``compute_dtype``)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # what the weights and the optimizer state are held in (docs/memory.md gives the bytes of each):
+    # fp32_master: float32 parameters, gradients and AdamW state, bfloat16 autocast compute when dtype is bfloat16;
+    # bf16: pure bfloat16 parameters, gradients and AdamW state, updates stochastically rounded (dhp.optim);
+    # bf16_plain: the same without the compensation (round to nearest: small updates are lost; for comparison)
+    precision: Literal["fp32_master", "bf16", "bf16_plain"] = "fp32_master"
+    compile: bool = False  # torch.compile each block (decoder layer, vision block) of every module
+    # packed attention's kernel: varlen (FlashAttention's variable-length kernels over the packed sequence: CUDA,
+    # bfloat16), sdpa (segments of equal length batched through SDPA: the CPU's, the reference), auto (varlen
+    # where it runs, else sdpa)
+    attention: Literal["auto", "sdpa", "varlen"] = "auto"
     # cross entropy through lm_head this many tokens at a time (the float32 logits [tokens, vocab] are never
     # whole; the head's forward is recomputed in the backward); 0: whole logits, as transformers does.
     # Not under text tensor parallelism, whose vocab-parallel loss holds only a vocabulary shard.
@@ -72,7 +85,18 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between checkpoints in output.dir/checkpoints/ (0: none but the last)
     keep_checkpoints: int = 2  # complete checkpoints kept (older ones go once a newer one is complete); 0: all
     resume: str = "auto"  # auto: the newest complete checkpoint in output.dir; none; or a checkpoint path
+    # a resumed run whose schedule keys (steps, lr, warmup, ...) differ from the checkpoint's: refuse (naming them)
+    # or allow (go on with this run's values from the checkpoint's step; the log says what changed)
+    resume_changes: Literal["refuse", "allow"] = "refuse"
     checkpoint_on_exit: bool = True  # Ctrl-C / SIGTERM: finish the step, write a checkpoint, exit
+
+
+def compute_dtype(train: TrainConfig, device_type: str) -> str:
+    """``train.dtype`` resolved where the device is known: ``auto`` is bfloat16 on CUDA (and under a pure-bf16
+    ``train.precision``), float32 on the CPU."""
+    if train.dtype != "auto":
+        return train.dtype
+    return "bfloat16" if device_type == "cuda" or train.precision != "fp32_master" else "float32"
 
 
 @dataclass
@@ -122,11 +146,16 @@ class RuntimeConfig:
     encoders_ahead: int = 1  # micro-batches the encoder groups may run ahead of the text group (disaggregated)
     transport: Literal["auto", "direct", "object_store"] = "auto"
     cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0  # 0: CPU training (gloo)
+    # auto: one GPU per worker when the Ray cluster has GPUs for every worker (a layout that does not fit is
+    # refused), none where it has no GPU (CPU, gloo); a number: that share of a GPU per worker (0: CPU)
+    gpus_per_worker: float | Literal["auto"] = "auto"
     max_failures: int = 0  # worker failures a run survives (restart every group, resume the newest checkpoint)
     collective_timeout_s: float = 600.0  # a collective waiting longer than this fails instead of hanging
     peak_tflops: float | None = None  # peak FLOP/s per device for MFU (unset: the device table; CPU: measured)
     empty_cache_between_turns: Literal["auto", "always", "never"] = "auto"  # auto: collocated groups on CUDA
+    # count the bytes every collective moves (comm_<module>_<kind>_bytes in metrics.jsonl): a dispatch mode that
+    # puts every op of the step through Python, so only where asked (dhp bench turns it on); Ray backend
+    count_collectives: bool = False
 
 
 FIXED_SECTIONS = ("model", "data", "train", "merger", "output", "runtime")
@@ -167,14 +196,19 @@ class Config:
         _check(0 <= t.warmup_steps, "train.warmup_steps", "must be >= 0")
         _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
         _check(self.data.max_length > 0, "data.max_length", "must be > 0")
+        _check(self.data.eval_samples >= 0, "data.eval_samples", "must be >= 0 (0: no evaluation)")
         _check(0 < self.data.min_pixels <= self.data.max_pixels, "data.min_pixels",
                f"must be > 0 and <= data.max_pixels ({self.data.max_pixels})")
         _check(0 < self.data.max_audio_seconds <= 30, "data.max_audio_seconds",
                "must be in (0, 30]: the audio encoder reads at most one 30-second Whisper window per clip")
         _check(self.runtime.encoders_ahead >= 0, "runtime.encoders_ahead", "must be >= 0")
+        _check(self.data.loader_workers >= 0, "data.loader_workers", "must be >= 0 (0: load in the worker's thread)")
         _check(t.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0 (0: no periodic checkpoints)")
         _check(t.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0: keep all)")
         _check(t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", "must be >= 0 (0: the whole logits at once)")
+        _check(t.precision == "fp32_master" or t.dtype != "float32", "train.precision",
+               f"{t.precision} holds bfloat16 weights and computes in bfloat16: it needs train.dtype=bfloat16 (or "
+               "auto), not float32")
         _check(self.runtime.max_failures >= 0, "runtime.max_failures", "must be >= 0")
         _check(self.runtime.collective_timeout_s > 0, "runtime.collective_timeout_s", "must be > 0 seconds")
         trace = self.output.trace_steps
@@ -276,7 +310,7 @@ def check_files_exist(cfg: Config) -> None:
     d, m = cfg.data, cfg.model
     for key in ("path", "eval_path"):
         value = getattr(d, key)
-        if value is None:
+        if value is None or str(value).startswith("demo:"):  # demo:NAME: the family's demo set, made on first use
             continue
         p = Path(value)
         if p.is_dir():
@@ -289,7 +323,7 @@ def check_files_exist(cfg: Config) -> None:
     if m.hf_path is not None:
         p = Path(m.hf_path)
         if not p.is_dir():
-            raise ModelError(f"model.hf_path: {_not_dir(p)}; give {HF_DIR_HINT}")
+            raise ModelError(f"model.hf_path: {_not_dir(p)}; give {HF_DIR_HINT}" + _hub_hint(m.hf_path))
         if not (p / "config.json").is_file():
             raise ModelError(f"model.hf_path: {p} has no config.json, so it is no Hugging Face checkpoint; give the "
                              "directory that holds config.json, *.safetensors and tokenizer.json, or unset "
@@ -304,13 +338,24 @@ def check_files_exist(cfg: Config) -> None:
             what = _missing(p) if not p.exists() else f"{p} has no tokenizer.json"
             raise ModelError(f"data.tokenizer: {what}; give a directory with the model's tokenizer.json (the "
                              "Hugging Face checkpoint directory you start from holds one)")
-    elif m.hf_path is not None and not (Path(m.hf_path) / "tokenizer.json").is_file():
-        raise ModelError(f"model.hf_path: {m.hf_path} has no tokenizer.json (it is read from there when "
-                         "data.tokenizer is unset); set data.tokenizer to a directory with the model's tokenizer.json")
-    elif d.path is not None:
+    elif m.hf_path is not None:  # the checkpoint's own tokenizer is used
+        if not (Path(m.hf_path) / "tokenizer.json").is_file():
+            raise ModelError(f"model.hf_path: {m.hf_path} has no tokenizer.json (it is read from there when "
+                             "data.tokenizer is unset); set data.tokenizer to a directory with the model's "
+                             "tokenizer.json")
+    elif d.path is not None and not d.path.startswith("demo:"):
         raise ConfigError("data.tokenizer: your data set (data.path) needs the model's tokenizer; set data.tokenizer "
                           "to a directory with tokenizer.json, or model.hf_path to a checkpoint that has one (for "
                           "the demo data set: `dhp data demo DIR` writes its tokenizer to DIR/tokenizer)")
+
+
+def _hub_hint(value: str) -> str:
+    """For ``owner/name`` that is no local directory: Hub ids are not downloaded by dhp; how to fetch one."""
+    parts = value.split("/")
+    if len(parts) != 2 or not all(parts) or value.startswith((".", "~")) or Path(parts[0]).exists():
+        return ""
+    return (f". {value!r} looks like a Hugging Face Hub id: dhp reads local directories only; download it first "
+            f"(`huggingface-cli download {value} --local-dir {parts[1]}`) and set model.hf_path={parts[1]}")
 
 
 def _not_dir(p: Path) -> str:

@@ -29,13 +29,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dhp.config import Config, ConfigError, ParallelConfig
+from dhp.config import Config, ConfigError, ParallelConfig, TrainConfig, compute_dtype
 from dhp.data.batch import Sample, pack
 from dhp.models.spec import EncoderSpec, FamilySpec, LanguageSpec, ModuleSpec, ParallelizeOptions
 from dhp.parallel.layout import Parallel
@@ -43,7 +44,8 @@ from dhp.parallel.layout import Parallel
 SampleLoader = Callable[..., Sample]  # (sample_id, pixels: bool) -> Sample
 Piece = tuple[torch.Tensor, torch.Tensor]  # (token index [n] into the sample's placeholder tokens, embeddings [n, D])
 
-__all__ = ["EncoderEngine", "LanguageEngine", "ModuleEngine", "Parallel", "Piece", "assemble", "single_process"]
+__all__ = ["EncoderEngine", "LanguageEngine", "ModuleEngine", "Parallel", "Piece", "Precision", "assemble",
+           "precision_of", "single_process"]
 
 
 def single_process(spec: ParallelConfig | None = None) -> Parallel:
@@ -64,23 +66,102 @@ def lr_lambda(cfg: Config) -> Callable[[int], float]:
     return f
 
 
-def optimizer_factory(cfg: Config) -> Callable[[list[dict]], torch.optim.Optimizer]:
+@dataclass(frozen=True)
+class Precision:
+    """What a module engine holds its weights in and computes in: ``train.dtype`` (resolved for the device) and
+    ``train.precision`` (``docs/memory.md``).
+
+    ``fp32_master``: float32 parameters, gradients and optimizer state; a bfloat16 compute dtype runs under
+    autocast, or, under FSDP2 on CUDA, through FSDP2's ``MixedPrecisionPolicy`` (bf16 gathers, float32
+    reduce-scatters; FSDP2 then casts itself and autocast is off). ``bf16`` / ``bf16_plain``: the parameters
+    themselves are bfloat16 (so are their gradients, the gradient collectives and the AdamW state), the update
+    stochastically rounded (``dhp.optim.BF16AdamW``) or rounded to nearest (``torch.optim.AdamW``)."""
+
+    policy: str  # train.precision
+    compute: torch.dtype  # the dtype the matmuls, the residual stream and the collectives carry
+    params: torch.dtype  # the dtype parameters (and gradients, optimizer state) are held in
+    autocast: bool  # forward under torch.autocast(compute)
+    fsdp_bf16: bool  # FSDP2 gathers bf16 copies of float32 shards (MixedPrecisionPolicy)
+
+
+def precision_of(train: TrainConfig, device_type: str, fsdp: bool) -> Precision:
+    """The engine's ``Precision`` for ``train`` on a ``device_type`` device, with or without FSDP2 (ZeRO-3)."""
+    compute = torch.bfloat16 if compute_dtype(train, device_type) == "bfloat16" else torch.float32
+    if train.precision != "fp32_master":
+        return Precision(train.precision, compute, torch.bfloat16, autocast=True, fsdp_bf16=False)
+    amp = compute == torch.bfloat16
+    fsdp_bf16 = amp and fsdp and device_type == "cuda"
+    return Precision(train.precision, compute, torch.float32, autocast=amp and not fsdp_bf16, fsdp_bf16=fsdp_bf16)
+
+
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Floating parameters of ``module`` to ``dtype`` in place (on the meta device: free), tied ones kept tied;
+    buffers (rotary tables) keep their dtype."""
+    done: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            setattr(m, name, done[id(p)])
+
+
+def enable_tf32(device_type: str) -> None:
+    """TF32 tensor cores for the float32 matmuls and convolutions left on CUDA (a float32 run, the loss's
+    float32 pieces): 10 mantissa bits in the products, float32 accumulation. Nothing on the CPU."""
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def compile_blocks(module: nn.Module) -> int:
+    """``train.compile``: ``torch.compile`` the forward of every block (each element of the module's
+    ``nn.ModuleList``s: decoder layers, vision and audio blocks), after the layout is applied.
+
+    The block's ``forward`` is compiled, not its ``__call__``: the layout's hooks (FSDP2's gathers, TP's input
+    preparation) stay eager around it, activation checkpointing (a wrapper of ``forward``) is compiled with it,
+    and parameter names do not change. Host reads inside a block (segment boundaries) are graph breaks.
+    Returns the number of blocks compiled."""
+    n = 0
+    for container in module.modules():
+        if isinstance(container, nn.ModuleList):
+            for block in container:
+                block.forward = torch.compile(block.forward)
+                n += 1
+    return n
+
+
+def optimizer_factory(cfg: Config, device_type: str = "cpu",
+                      param_dtype: torch.dtype = torch.float32) -> Callable[[list[dict]], torch.optim.Optimizer]:
+    """The optimizer ``train`` asks for: SGD, or AdamW (fused kernels on CUDA, ``foreach`` on the CPU); under
+    ``train.precision=bf16`` (bfloat16 parameters) the stochastically rounded ``dhp.optim.BF16AdamW``."""
     t = cfg.train
     if t.optimizer == "sgd":
         return lambda groups: torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
-    return lambda groups: torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
+    if t.precision == "bf16" and param_dtype == torch.bfloat16:
+        from dhp.optim import BF16AdamW
+
+        return lambda groups: BF16AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, seed=t.seed)
+    kernel = {"fused": True} if device_type == "cuda" else {"foreach": True}
+    return lambda groups: torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, **kernel)
 
 
 def param_groups(named: Iterable[tuple[str, nn.Parameter]], lr: float, weight_decay: float) -> list[dict]:
-    """AdamW groups: no weight decay on biases and norm weights (1-D parameters)."""
-    decay, no_decay = [], []
+    """AdamW groups: no weight decay on biases and norm weights (1-D parameters).
+
+    DTensor parameters (TP shards, FSDP2) and plain ones (replicated norms under TP) go in separate groups of the
+    same hyperparameters: the ``foreach`` and fused AdamW kernels take one kind per call ("mixed torch.Tensor and
+    DTensor" otherwise); the update of each element is the same either way."""
+    from torch.distributed.tensor import DTensor
+
+    buckets: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for _, p in named:
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            buckets.setdefault((p.ndim >= 2, isinstance(p, DTensor)), []).append(p)
     return [
-        {"params": ps, "lr": lr, "weight_decay": wd}
-        for ps, wd in ((decay, weight_decay), (no_decay, 0.0))
-        if ps
+        {"params": buckets[(decays, dt)], "lr": lr, "weight_decay": weight_decay if decays else 0.0}
+        for decays in (True, False) for dt in (False, True) if buckets.get((decays, dt))
     ]
 
 
@@ -172,19 +253,15 @@ class ModuleEngine:
         with torch.device("meta"):  # no rank ever holds the whole module: parallelized on meta, then materialized
             self.module = spec.build(model_cfg)
         self._set_loss_chunking()
-        self.amp = cfg.train.dtype == "bfloat16"
-        self._set_trainable()
         self.fsdp = self.mcfg.parallel.zero == 3 and self.par.distributed
-        policy = None
-        if self.fsdp and self.amp and self.device.type == "cuda":
-            from dhp.parallel.sharding import mixed_precision_policy
-
-            policy = mixed_precision_policy(torch.bfloat16)
-            self.amp = False  # FSDP2 casts parameters and compute itself
+        policy = self._set_precision()
+        self._set_trainable()
         opts = ParallelizeOptions(activation_checkpointing=self.mcfg.activation_checkpointing,
                                   fsdp_mesh=self.reduce_mesh() if self.fsdp else None, mp_policy=policy,
                                   sequence_parallel=self.mcfg.parallel.sequence_parallel)
         spec.parallelize(self.module, self.par, opts)
+        if cfg.train.compile:
+            compile_blocks(self.module)
         self._set_trainable()  # TP and FSDP2 replace parameters: the flags hold on the new ones too
         materialize(spec, self.module, model_cfg, self.device, cfg.train.seed, None, self.par,
                     hf_path=cfg.model.hf_path, family=family)
@@ -209,11 +286,30 @@ class ModuleEngine:
             return self.cfg.merger.lr_scale, self.cfg.merger.trainable
         return self.mcfg.lr_scale, self.mcfg.trainable
 
+    def _set_precision(self, device_type: str | None = None) -> Any:
+        """``self.precision`` and ``self.amp`` from the config and the device (``device_type``: the one decisions
+        follow, the engine's own by default; the planner passes the device it prices); bfloat16 parameters (a
+        pure-bf16 policy) cast before any layout; TF32 on CUDA. Returns FSDP2's mixed-precision policy or None."""
+        device_type = device_type or self.device.type
+        self.precision = precision_of(self.cfg.train, device_type, self.fsdp)
+        self.amp = self.precision.autocast
+        if self.device.type == "cuda":
+            enable_tf32(self.device.type)
+        if self.precision.params != torch.float32:
+            cast_parameters(self.module, self.precision.params)
+        if not self.precision.fsdp_bf16:
+            return None
+        from dhp.parallel.sharding import mixed_precision_policy
+
+        return mixed_precision_policy(torch.bfloat16)  # FSDP2 casts parameters and compute itself
+
     def _set_loss_chunking(self) -> None:
         """``train.loss_chunk_tokens`` onto a module that takes its loss in chunks (an optional attribute of a
         family's language module, ``TextModel.loss_chunk_tokens``)."""
         if hasattr(self.module, "loss_chunk_tokens"):
             self.module.loss_chunk_tokens = self.cfg.train.loss_chunk_tokens
+        if hasattr(self.module, "attention_kernel"):  # train.attention: packed attention's kernel (auto, sdpa, varlen)
+            self.module.attention_kernel = self.cfg.train.attention
 
     def _set_trainable(self) -> None:
         for name, p in self.module.named_parameters():
@@ -235,7 +331,7 @@ class ModuleEngine:
         return DeviceMesh.from_group(group, self.device.type, mesh=torch.tensor(ranks), mesh_dim_names=("dp",))
 
     def _optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
-        factory = optimizer_factory(self.cfg)
+        factory = optimizer_factory(self.cfg, self.device.type, self.precision.params)
         if self.par.spec.zero == 1 and self.par.distributed and dist.get_world_size(self.reduce_group()) > 1:
             from dhp.parallel.sharding import make_zero1_optimizer
 
@@ -243,10 +339,11 @@ class ModuleEngine:
         return factory(groups)
 
     def autocast(self):
-        """Mixed precision (``train.dtype=bfloat16``): bfloat16 compute, float32 master weights."""
+        """The compute dtype (``train.dtype=bfloat16``): autocast over float32 master weights (``fp32_master``),
+        or over bfloat16 parameters (pure bf16: what float32 inputs meet)."""
         if not self.amp:
             return nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(self.device.type, dtype=self.precision.compute)
 
     # ---- step ------------------------------------------------------------------------------
     def finish_gradients(self, scale: float) -> None:
@@ -259,28 +356,48 @@ class ModuleEngine:
         for p in self.trainable:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        reducer = self._gradient_reducer()
+        if reducer is not None:  # TP-sharded gradients: each rank sums its own shard with its dp peers'
+            reducer.finish()  # buckets, most already started by the last backward (arm_gradient_reduction)
+        for p in self.trainable:
             p.grad.mul_(scale)
-        group = self.reduce_group()
-        if self.fsdp or group is None or dist.get_world_size(group) == 1:
-            return
-        from dhp.parallel.tensor import local_tensor
 
-        for p in self.trainable:  # TP-sharded gradients: each rank sums its own shard with its dp peers'
-            dist.all_reduce(local_tensor(p.grad), op=dist.ReduceOp.SUM, group=group)
+    def _gradient_reducer(self):
+        """The bucketed reduction of this rank's replicated gradients (``dhp.parallel.grad_buckets``), or None
+        where nothing is summed here (one rank; FSDP2 reduce-scatters itself; nothing trains)."""
+        if getattr(self, "_reducer", None) is None:
+            group = self.reduce_group()
+            if self.fsdp or not self.trainable or group is None or dist.get_world_size(group) == 1:
+                return None
+            from dhp.parallel.grad_buckets import GradientReducer
 
-    def grad_norm_sq(self) -> float:
-        """This module replica's squared gradient norm, each shard counted once (collective under TP/FSDP)."""
+            self._reducer = GradientReducer(self.trainable, group)
+        return self._reducer
+
+    def arm_gradient_reduction(self) -> None:
+        """The next backward is this step's last on this rank: its gradient hooks start the all-reduces of the
+        buckets they finish, overlapping the rest of the backward."""
+        reducer = self._gradient_reducer()
+        if reducer is not None:
+            reducer.arm()
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """This module replica's squared gradient norm, each shard counted once (collective under TP/FSDP): a
+        float64 scalar on the device (no host read here; the caller reads it once per step)."""
         from dhp.parallel.tensor import grad_norm_sq
 
-        return grad_norm_sq(self.trainable)
+        return grad_norm_sq(self.trainable, device=self.device)
 
-    def step(self, clip_coef: float) -> None:
+    def step(self, clip_coef: float | torch.Tensor) -> None:
+        """Clip (``clip_coef``: a host float, or a scalar on the device; 1: no clipping) and take the step."""
         if self.optimizer is None:
             return
-        if clip_coef < 1.0:
-            for p in self.trainable:
-                if p.grad is not None:
-                    p.grad.mul_(clip_coef)
+        if isinstance(clip_coef, torch.Tensor) or clip_coef < 1.0:
+            grads = [p.grad for p in self.trainable if p.grad is not None]
+            if grads:  # one fused multiply per dtype and device, on the device
+                from dhp.parallel.tensor import scale_grads
+
+                scale_grads(grads, clip_coef)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -338,7 +455,11 @@ class EncoderEngine(ModuleEngine):
         return bool(self.trainable)
 
     def forward(self, key: object, sample_ids: list[int]) -> dict[int, Piece]:
-        """This rank's embeddings of each sample that carries this encoder's modality (detached)."""
+        """This rank's embeddings of each sample that carries this encoder's modality (detached).
+
+        In the dtype the encoder computes them in (bfloat16 under ``train.dtype=bfloat16``): that is what
+        crosses to the language model, which takes them as float32 leaves (``LanguageEngine``), as a cast
+        here would have: the values are the same, the bytes on the router half."""
         samples = [self.load(i) for i in sample_ids]
         carrying = [s for s in samples if self.spec.num_tokens(s, self.model_cfg)]
         if not carrying and not self.fsdp:
@@ -347,7 +468,6 @@ class EncoderEngine(ModuleEngine):
         grad_ctx = nullcontext() if self.needs_backward else torch.no_grad()
         with grad_ctx, self.autocast():
             embeds, index = self.spec.encode(self.module, carrying, self.par, self.device)  # [n_local, D], [n_local]
-            embeds = embeds.float()
         pieces, rows = {}, {}
         start = 0
         for s in carrying:
@@ -368,11 +488,28 @@ class EncoderEngine(ModuleEngine):
         ``grads`` holds each sample's whole gradient [n_tokens, D]; this rank takes its rows."""
         if not self.needs_backward or key not in self.pending:
             return
+        _, rows = self.pending[key]
+        own = {sid: grads[sid].to(self.device)[token_index.to(self.device)] for sid, (_, token_index) in rows.items()}
+        self.backward_rows(key, own)
+
+    def backward_rows(self, key: object, grads: dict[int, torch.Tensor]) -> None:
+        """Backpropagate from the gradients of this rank's own rows: ``grads[sid]`` [rows, D] in the order of
+        the token index ``forward`` gave for ``sid`` (what the point-to-point data plane sends back)."""
+        if not self.needs_backward or key not in self.pending:
+            return
         embeds, rows = self.pending.pop(key)
         grad = torch.zeros_like(embeds)
-        for sid, (local_rows, token_index) in rows.items():
-            grad[local_rows] = grads[sid].to(grad.device)[token_index.to(grad.device)]
+        for sid, (local_rows, _) in rows.items():
+            grad[local_rows] = grads[sid].to(device=grad.device, dtype=grad.dtype)
         embeds.backward(grad)
+
+    def output_width(self, key: object) -> int:
+        """The width of the embeddings kept for ``key``'s backward (0: none kept)."""
+        return self.pending[key][0].shape[-1] if key in self.pending else 0
+
+    def output_dtype(self, key: object) -> torch.dtype:
+        """The dtype of the embeddings kept for ``key``'s backward (what their gradients come back in)."""
+        return self.pending[key][0].dtype if key in self.pending else torch.float32
 
 
 class LanguageEngine(ModuleEngine):
@@ -389,10 +526,18 @@ class LanguageEngine(ModuleEngine):
 
     def forward_backward(
         self, sample_ids: list[int], pieces: dict[str, dict[int, list[Piece]]]
-    ) -> tuple[float, int, dict[str, dict[int, torch.Tensor]]]:
-        """Summed loss, supervised tokens, and per encoder d(summed loss)/d(embeddings) per sample."""
-        samples = [self.load(i, pixels=False) for i in sample_ids]  # placeholders only: no media decoding
-        batch = pack(samples)
+    ) -> tuple[torch.Tensor, int, dict[str, dict[int, torch.Tensor]]]:
+        """Summed loss (a detached float32 scalar on the device: read it once per step, not per micro-batch),
+        supervised tokens, and per encoder d(summed loss)/d(embeddings) per sample.
+
+        The batch's segment boundaries, placeholder positions and supervised rows are host metadata
+        (``PackedMeta``): the micro-batch reads no value back from the device."""
+        from dhp.models.layers import host_metadata
+
+        with host_metadata():  # the data pipeline's work: host tensors, host metadata
+            samples = [self.load(i, pixels=False) for i in sample_ids]  # placeholders only: no media decoding
+            batch = pack(samples)
+            meta = batch.meta([t for enc in self.encoders for t in enc.placeholder_ids(self.model_cfg)])
         media: dict[int, torch.Tensor] = {}
         leaves: dict[str, dict[int, torch.Tensor]] = {}
         for enc in self.encoders:
@@ -400,9 +545,9 @@ class LanguageEngine(ModuleEngine):
             if not carrying:
                 continue
             got = pieces.get(enc.name, {})
-            leaves[enc.name] = {
+            leaves[enc.name] = {  # float32 leaves, whatever dtype the pieces travelled in
                 s.index: assemble(got.get(s.index, []), enc.num_tokens(s, self.model_cfg), s.index, enc.name)
-                .to(self.device).requires_grad_(self.encoder_trains[enc.name]) for s in carrying
+                .to(self.device, torch.float32).requires_grad_(self.encoder_trains[enc.name]) for s in carrying
             }
             ids = enc.placeholder_ids(self.model_cfg)  # a sample's embeddings: the first id's, then the next's
             chunks = [leaves[enc.name][s.index].split(list(enc.placeholder_counts(s, self.model_cfg)))
@@ -416,12 +561,14 @@ class LanguageEngine(ModuleEngine):
                 batch.targets.to(self.device),
                 media,
                 batch.cu_seqlens,
+                meta=meta,
             )
         if loss.requires_grad:
             loss.backward()
-        grads = {name: {i: leaf.grad for i, leaf in per_sample.items()}
+        grads = {name: {i: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                        for i, leaf in per_sample.items()}
                  for name, per_sample in leaves.items() if self.encoder_trains[name]}
-        return float(loss.detach()), batch.num_supervised, grads
+        return loss.detach(), meta.num_supervised, grads
 
 
 def encoder_trains(cfg: Config, spec: EncoderSpec) -> bool:

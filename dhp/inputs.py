@@ -39,10 +39,11 @@ class RunInputs:
 def resolve_inputs(cfg: Config) -> RunInputs:
     """Fill in the demo data set and tokenizer where the config leaves them unset; read the model config."""
     data = cfg.data
-    train_path = Path(data.path) if data.path else None
-    eval_path = Path(data.eval_path) if data.eval_path else None
-    tokenizer_dir = Path(data.tokenizer) if data.tokenizer else None
     family = resolve_family(cfg.model.family, cfg.model.hf_path, cfg.model.preset)
+    train_path, eval_path = _demo_file(data.path, family), _demo_file(data.eval_path, family)
+    tokenizer_dir = Path(data.tokenizer) if data.tokenizer else None
+    if tokenizer_dir is None and (str(data.path or "")).startswith(DEMO_PREFIX):
+        tokenizer_dir = family.demo_data() / "tokenizer"
     if train_path is None:  # the family's demo set (Qwen2.5-VL: digits; Qwen2.5-Omni: digits and dial tones)
         if family.demo_data is None:
             raise ConfigError(f"data.path: set it to a training data file (the {family.name} family has no demo set)")
@@ -61,6 +62,23 @@ def resolve_inputs(cfg: Config) -> RunInputs:
         raise ModelError(str(e).strip("'\"")) from None
     # no weight is read here: each worker reads its own shards of model.hf_path (dhp.engine.materialize)
     return RunInputs(cfg, family, model_cfg, tokenizer_dir, train_path, eval_path)
+
+
+DEMO_PREFIX = "demo:"  # data.path=demo:video_train.jsonl: a file of the family's demo set, generated on first use
+
+
+def _demo_file(value: str | None, family: FamilySpec) -> Path | None:
+    """``data.path`` / ``data.eval_path`` as a path; ``demo:NAME`` is NAME in the family's cached demo set."""
+    if not value:
+        return None
+    if not value.startswith(DEMO_PREFIX):
+        return Path(value)
+    if family.demo_data is None:
+        raise ConfigError(f"{value}: the {family.name} family has no demo set; give a data file")
+    path = family.demo_data() / value[len(DEMO_PREFIX):]
+    if not path.is_file():
+        raise DataError(f"{value}: the demo set ({path.parent}) has no {path.name}")
+    return path
 
 
 def dataset_spec(inputs: RunInputs, path: Path) -> dict:

@@ -29,7 +29,7 @@ import torch
 from dhp import checkpoint
 from dhp.backends import make_backend
 from dhp.backends.base import process_memory_gb
-from dhp.config import Config, ConfigError, dump_config
+from dhp.config import Config, ConfigError, compute_dtype, dump_config
 from dhp.data.tokenizer import Tokenizer
 from dhp.errors import CheckpointError, Interrupted
 from dhp.inputs import dataset_spec, open_dataset, prepare
@@ -124,10 +124,14 @@ def choose_start(cfg: Config, out: Path) -> tuple[Path, dict] | None:
             return found
     earlier = previous_run(out)
     if earlier and not cfg.output.overwrite:
-        why = "train.resume=none" if resume == "none" else "it has no complete checkpoint to resume"
+        if resume == "none":
+            why, fixes = "train.resume=none", "train.resume=auto to continue it, "
+        else:  # auto found nothing to continue
+            why = ("it has no complete checkpoint to resume (the run stopped before writing one; "
+                   "train.checkpoint_every=N writes them along the way)")
+            fixes = ""
         raise ConfigError(f"output.dir: {out} holds another run ({', '.join(earlier)}) and {why}; set "
-                          "output.overwrite=true to replace it, train.resume=auto to continue it, or choose another "
-                          "output.dir")
+                          f"output.overwrite=true to replace it, {fixes}or choose another output.dir")
     return None
 
 
@@ -148,19 +152,27 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.starting = True  # until the first step: a signal stops once every group is up, before any step
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> StopRequest:
+        self.install()
+        return self
+
+    def install(self) -> None:
+        """(Re)install the handlers: entered before the backend starts, so a Ctrl-C while Ray and the workers
+        come up never lands inside them; installed again once they are up (a library may have replaced them)."""
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
+                old = signal.signal(sig, self._handle)
+                self._old.setdefault(sig, old)
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"dhp: {signal.Signals(signum).name}: stopping after this step "
+        when = "once the workers are up" if self.starting else "after this step"
+        print(f"dhp: {signal.Signals(signum).name}: stopping {when} "
               "(Ctrl-C again to stop at once, without a checkpoint)", flush=True)
 
     def __exit__(self, *exc: object) -> None:
@@ -206,18 +218,52 @@ class Run:
         self.save_seconds: list[float] = []
 
     def _check_compatible(self, ckpt: Path, record: dict) -> None:
-        problems = checkpoint.compatibility(record, self.family.name, self.record_base["model"], self.fingerprint,
-                                            self.cfg.to_dict())
-        if problems:
-            raise CheckpointError(f"train.resume: {ckpt} cannot continue this run: " + "; ".join(map(str, problems))
-                              + ". Resume with the same model and data, or set train.resume=none with a new "
-                                "output.dir")
+        """Refuse a checkpoint of another model or data; name the schedule and data keys that differ and refuse
+        them too unless ``train.resume_changes=allow``, then say in the log what changes from its step on."""
+        found = checkpoint.compatibility(record, self.family.name, self.record_base["model"], self.fingerprint,
+                                         self.cfg.to_dict(), str(self.inputs.train_path), len(self.dataset))
+        if found.refused:
+            raise CheckpointError(f"train.resume: {ckpt} cannot continue this run: "
+                                  + "; ".join(map(str, found.refused)) + ". Resume with the same model and data, "
+                                  "or start a new run (output.overwrite=true, or another output.dir)")
+        if not found.changed:
+            return
+        changes = "; ".join(map(str, found.changed))
+        step = record.get("step", 0)
+        if self.cfg.train.resume_changes != "allow":
+            raise ConfigError(f"train.resume_changes: {ckpt} (step {step}) was written with other settings: "
+                              f"{changes}. Set train.resume_changes=allow to go on from step {step} with this "
+                              "run's values (the learning-rate schedule is planned again over this run's keys), "
+                              "give the checkpoint's values back, or start a new run (output.overwrite=true)")
+        print(f"dhp: resuming {ckpt.name} with changed settings (train.resume_changes=allow): "
+              + ", ".join(f"{c.what} {c.saved!r} -> {c.now!r}" for c in found.changed), flush=True)
+        print(f"dhp: {self._lr_change(record, step)}", flush=True)
+
+    def _lr_change(self, record: dict, step: int) -> str:
+        """The learning rate of the next step under this run's schedule, beside the checkpoint's."""
+        from dhp.config import config_from_dict
+        from dhp.engine import lr_lambda
+
+        t = self.cfg.train
+        now = t.lr * lr_lambda(self.cfg)(step)
+        text = f"from step {step + 1} of {t.steps}: learning rate {now:.3g}"
+        try:
+            old_cfg = config_from_dict(record["config"])
+        except (ConfigError, KeyError, TypeError):
+            return text + " (this run's schedule: warmup and cosine over train.steps)"
+        old = old_cfg.train.lr * lr_lambda(old_cfg)(step)
+        left = "" if step < old_cfg.train.steps else f"; it had ended at step {old_cfg.train.steps}"
+        return text + f" (the checkpoint's schedule: {old:.3g}{left}), then this run's warmup and cosine"
 
     # -- backend lifecycle
     def start_backend(self, start: tuple[Path, dict] | None) -> int:
         """Start every group; load ``start``'s checkpoint if given. Returns the step the run goes on from."""
-        print(f"dhp: starting the {self.cfg.runtime.backend} backend "
-              f"({', '.join(f'{m} {self._layout_text(m)}' for m in self.family.module_names)})", flush=True)
+        if self.cfg.runtime.backend == "ray":
+            from dhp.backends.ray_backend import resolve_worker_gpus
+
+            self.inputs = resolve_worker_gpus(self.inputs)  # runtime.gpus_per_worker=auto: what the cluster has
+        print(f"dhp: starting the {self.cfg.runtime.backend} backend: {self._groups_text()}", flush=True)
+        print(f"dhp: {self._precision_text()}", flush=True)
         self.backend = make_backend(self.inputs, self.dataset, self.spec)
         step = 0
         if start is not None:
@@ -230,10 +276,22 @@ class Run:
                   + ")", flush=True)
         return step
 
-    def _layout_text(self, m: str) -> str:
-        p = self.cfg.module(m).parallel
-        parts = [f"{k}{getattr(p, k)}" for k in ("dp", "sp", "tp") if getattr(p, k) > 1]
-        return "x".join(parts or ["single"]) + (f" zero{p.zero}" if p.zero else "")
+    def _precision_text(self) -> str:
+        """``train.dtype`` as the groups' device resolves it (auto: bfloat16 on CUDA, float32 on the CPU), and
+        ``train.precision``: what the weights and optimizer state are held in."""
+        rt = self.inputs.cfg.runtime
+        if rt.backend == "ray":
+            device = "cuda" if float(rt.gpus_per_worker) > 0 else "cpu"
+        else:
+            from dhp.backends.local import local_device
+
+            device = local_device(self.cfg.train.device).split(":")[0]
+        t = self.cfg.train
+        return (f"compute dtype {compute_dtype(t, device)} on {device} (train.dtype={t.dtype}), "
+                f"train.precision={t.precision}")
+
+    def _groups_text(self) -> str:
+        return groups_text(self.inputs.cfg, self.family.module_names)
 
     def write_workers(self) -> None:
         (self.out / "workers.json").write_text(json.dumps(self.backend.workers(), indent=2) + "\n")
@@ -258,7 +316,19 @@ class Run:
     def execute(self) -> dict:
         cfg, out = self.cfg, self.out
         steps = cfg.train.steps
-        step = self.start_backend(self.start_from)
+        stop = StopRequest().__enter__()  # before Ray and the workers start: a Ctrl-C never lands inside them
+        try:
+            step = self.start_backend(self.start_from)
+        except BaseException:
+            stop.__exit__()
+            raise
+        stop.install()
+        stop.starting = False
+        if stop.signum is not None:  # stopped while the groups came up: leave before output.dir is touched
+            self.backend.shutdown()
+            stop.__exit__()
+            ckpt = self.start_from[0] if self.start_from is not None else None
+            raise Interrupted(stop.signum, self._interrupted_message(stop.signum, step, ckpt))
         try:
             if self.start_from is None:
                 out.mkdir(parents=True, exist_ok=True)
@@ -278,7 +348,7 @@ class Run:
             last_ckpt = None
             failures = 0
             start = time.perf_counter()
-            with StopRequest() as stop:
+            with stop:
                 while step < steps and stop.signum is None:
                     plan = self.planner.plan(step)
                     try:
@@ -296,7 +366,9 @@ class Run:
                     if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < steps:
                         last_ckpt = self.save(step, plan.epoch)
                 if stop.signum is not None:
-                    if cfg.train.checkpoint_on_exit and step > 0:
+                    if self.start_from is not None and not rows:
+                        last_ckpt = self.start_from[0]  # stopped before a step: the checkpoint it started from
+                    elif cfg.train.checkpoint_on_exit and step > 0:
                         last_ckpt = self.save(step, self.planner.plan(step - 1).epoch)
                     raise Interrupted(stop.signum, self._interrupted_message(stop.signum, step, last_ckpt))
             if self.start_from is not None and step == self.start_from[1]["step"] and not rows:
@@ -305,6 +377,7 @@ class Run:
                 last_ckpt = self.save(step, self.planner.plan(step - 1).epoch)
             metrics.close()
         finally:
+            stop.__exit__()
             self.backend.shutdown()
         return self.finish(rows, last_ckpt, time.perf_counter() - start, failures)
 
@@ -361,6 +434,7 @@ class Run:
         }
         if stats.router_bytes:
             row["router_bytes"] = stats.router_bytes
+            row.update({f"router_bytes_{d}": v for d, v in stats.router_bytes_by_direction.items()})
         row.update({f"comm_{k}_bytes": v for k, v in stats.comm_bytes.items()})
         row.update({f"busy_{m}": v for m, v in stats.busy_fraction.items()})
         row.update(self._mfu(plan, stats, dt))
@@ -387,9 +461,12 @@ class Run:
         cmd = "dhp train ... (the same config and overrides)"
         if sys.argv[0].endswith("dhp"):
             cmd = " ".join(shlex.quote(a) for a in ["dhp", *sys.argv[1:]])
+        name = signal.Signals(signum).name
+        if step == 0 and ckpt is None:
+            return f"stopped by {name} before the first step; nothing to resume. Start again with: {cmd}"
         saved = f"checkpoint {ckpt} (step {step})" if ckpt is not None else "no checkpoint"
-        return (f"stopped by {signal.Signals(signum).name} after step {step}; {saved}. Resume with the same "
-                f"command (train.resume=auto): {cmd}")
+        return (f"stopped by {name} after step {step}; {saved}. Resume with the same command "
+                f"(train.resume=auto): {cmd}")
 
     # -- the end
     def finish(self, rows: list[dict], ckpt: Path | None, elapsed: float, failures: int) -> dict:
@@ -408,16 +485,19 @@ class Run:
         if ckpt is not None:
             summary["last_checkpoint"] = str(ckpt)
         final = out / "final"
-        wants_eval = cfg.train.eval_at_end and inputs.eval_path is not None
+        wants_eval = cfg.train.eval_at_end and inputs.eval_path is not None and cfg.data.eval_samples > 0
         if (cfg.output.save_final or wants_eval) and ckpt is not None:
             if family.hf_key is None or family.hf_config is None or family.full_model is None:
                 raise ConfigError(f"model family {family.name} has no Hugging Face export; set "
                                   "output.save_final=false and train.eval_at_end=false")
             print(f"dhp: exporting {ckpt.name} to {final} (Hugging Face safetensors, shard by shard)", flush=True)
-            checkpoint.export_hf(ckpt, final, family, inputs.model_cfg, inputs.tokenizer_dir)
+            checkpoint.export_hf(ckpt, final, family, inputs.model_cfg, inputs.tokenizer_dir,
+                                 source_dir=checkpoint.source_dir(cfg))
             summary["checkpoint"] = str(final)
         if cfg.train.eval_at_end and inputs.eval_path is None:
             print("dhp: no data.eval_path: evaluation skipped", flush=True)
+        elif cfg.train.eval_at_end and cfg.data.eval_samples == 0:
+            print("dhp: data.eval_samples=0: evaluation skipped", flush=True)
         if wants_eval and "checkpoint" in summary:
             from dhp.evaluate import evaluate
 
@@ -431,6 +511,30 @@ class Run:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print_summary(summary)
         return summary
+
+
+def groups_text(cfg: Config, modules: tuple[str, ...] | list[str]) -> str:
+    """Each group's layout, device and collective backend, for the start line:
+    ``vision sp2 on cuda (nccl, 1 GPU per worker), text tp2 on cuda (nccl, 1 GPU per worker); disaggregated``.
+    ``runtime.gpus_per_worker`` is a number by then (``auto`` resolved against the cluster)."""
+    rt = cfg.runtime
+    if rt.backend == "ray":
+        gpus = float(rt.gpus_per_worker)
+        where = (f"cuda (nccl, {gpus:g} GPU per worker)" if gpus > 0 else
+                 f"cpu (gloo, {rt.cpus_per_worker:g} CPU per worker)")
+    else:
+        from dhp.backends.local import local_device
+
+        where = f"{local_device(cfg.train.device)} (one process)"
+    return ", ".join(f"{m} {layout_text(cfg, m)} on {where}" for m in modules) \
+        + ("" if rt.backend == "local" else f"; {rt.placement}")
+
+
+def layout_text(cfg: Config, m: str) -> str:
+    """``dp2xsp2 zero1``, ``tp2``, ``single``: a group's layout in one word."""
+    p = cfg.module(m).parallel
+    parts = [f"{k}{getattr(p, k)}" for k in ("dp", "sp", "tp") if getattr(p, k) > 1]
+    return "x".join(parts or ["single"]) + (f" zero{p.zero}" if p.zero else "")
 
 
 def train(cfg: Config) -> dict:

@@ -24,6 +24,7 @@ class StepStats:
     lr: float
     timings: dict[str, float] = field(default_factory=dict)  # "{module}_{phase}" -> seconds
     router_bytes: int = 0
+    router_bytes_by_direction: dict[str, int] = field(default_factory=dict)  # "forward" (embeddings), "backward"
     worker_memory_gb: float = 0.0  # peak over the workers (Ray backend)
     comm_bytes: dict[str, int] = field(default_factory=dict)  # "{module}_{collective}" -> bytes, all ranks
     imbalance: dict[str, float] = field(default_factory=dict)  # module -> busiest replica's busy time / mean

@@ -81,7 +81,7 @@ class LocalBackend:
         busy = {name: sum(v for k, v in t.items() if k.startswith(f"{name}_")) / wall for name in self.modules}
         device = {"device_name": torch.cuda.get_device_name() if self.language.device.type == "cuda" else "cpu",
                   "threads": torch.get_num_threads(), "ranks": 1}
-        return StepStats(loss_sum / n_sup, n_sup, grad_norm, lr, dict(t),
+        return StepStats(float(loss_sum) / n_sup, n_sup, grad_norm, lr, dict(t),  # the loss: read once per step
                          imbalance={name: 1.0 for name in self.modules},
                          memory_gb_by_module={name: memory for name in self.modules}, spans=spans,
                          busy_fraction=busy, devices={name: device for name in self.modules})

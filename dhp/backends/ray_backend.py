@@ -43,6 +43,7 @@ from dhp.inputs import RunInputs
 from dhp.models.spec import FamilySpec
 from dhp.runtime import Broadcast, LayoutError, Runtime, WorkerGroup
 from dhp.runtime import ModuleSpec as GroupSpec
+from dhp.runtime.data_plane import Incoming
 from dhp.runtime.mesh import ModuleLayout
 
 COMPUTE_PHASES = ("forward", "backward", "forward_backward")  # what a replica's busy time counts
@@ -71,6 +72,27 @@ def module_layouts(cfg: Config, family: FamilySpec, model_cfg: Any) -> list[Modu
     return out
 
 
+def resolve_worker_gpus(inputs: RunInputs) -> RunInputs:
+    """``inputs`` with ``runtime.gpus_per_worker`` a number: ``auto`` becomes what the cluster holds (one GPU per
+    worker where there are GPUs, CPU where there are none; ``dhp.runtime.placement.decide_gpus_per_worker``).
+    A layout the cluster's GPUs cannot hold is a ConfigError naming the fixes."""
+    from dataclasses import replace
+
+    from dhp.runtime.cluster import cluster_gpus
+    from dhp.runtime.placement import decide_gpus_per_worker
+
+    cfg = inputs.cfg
+    rt = cfg.runtime
+    if rt.gpus_per_worker != "auto":
+        return inputs
+    sizes = {x.module: x.size for x in module_layouts(cfg, inputs.family, inputs.model_cfg)}
+    try:
+        gpus = decide_gpus_per_worker("auto", rt.placement, sizes, cluster_gpus(rt.ray_address))
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    return replace(inputs, cfg=replace(cfg, runtime=replace(rt, gpus_per_worker=gpus)))
+
+
 def check_local_budget(cfg: Config, sizes: dict[str, int]) -> None:
     """Before a local Ray starts: does the layout fit this machine's CPUs and GPUs? (Ray would say so only
     after starting; a run that joins a cluster, or a Ray already running here, is checked against it later.)"""
@@ -96,6 +118,7 @@ def check_local_budget(cfg: Config, sizes: dict[str, int]) -> None:
 
 class RayBackend:
     def __init__(self, inputs: RunInputs, dataset_spec: dict[str, Any]) -> None:
+        inputs = resolve_worker_gpus(inputs)  # runtime.gpus_per_worker=auto: what the cluster holds
         cfg, family = inputs.cfg, inputs.family
         rt = cfg.runtime
         self.cfg, self.family = cfg, family
@@ -125,7 +148,9 @@ class RayBackend:
             for p in pending:
                 p.get()
             device = "cuda" if rt.gpus_per_worker > 0 else "cpu"
+            self.data_plane = self.runtime.setup.data_plane
             engine_spec = {"family": family, "model_cfg": inputs.model_cfg, "cfg": cfg, "device": device,
+                           "data_plane": self.data_plane,
                            **dataset_spec}  # weights: each rank materializes or reads its own shards
             pending = [self.group(m).init_engine.submit(engine_spec) for m in self.modules]
             for p in pending:
@@ -152,21 +177,35 @@ class RayBackend:
         pieces: list[list[list[Emitted]]] = []  # [round][text replica] -> the pieces it needs, from every encoder
         losses: list[list[tuple[float, int]]] = []  # [round] -> per text replica (head)
         backwards: list[tuple[str, list[Any]]] = []  # encoder backward refs, to surface errors
+        p2p = self.data_plane == "p2p"
         for k in range(len(rounds)):
-            while len(pieces) < len(rounds) and len(pieces) <= k + self.ahead:  # the encoder groups run ahead
-                j = len(pieces)
-                forwards.append({e: self.group(e).forward.submit(Broadcast(j), list(rounds[j].replicas(e)))
+            while len(forwards) < len(rounds) and len(forwards) <= k + self.ahead:  # the encoder groups run ahead
+                j = len(forwards)
+                for n in ((0, 1) if j == 0 else (j + 1,)):  # the loaders decode a round ahead of the forwards
+                    self._prefetch(n, rounds)
+                forwards.append({e: self.group(e).forward.submit(Broadcast(j), list(rounds[j].replicas(e)),
+                                                                 *([self._targets(e, rounds[j])] if p2p else []))
                                  for e in self.encoders})
-                pieces.append(self._pieces_for(j, rounds[j]))
-            for e in self.encoders:  # a failed forward is the root cause of what follows
-                forwards[k][e].get()
-            self._wait_emitted([x for per_replica in pieces[k] for x in per_replica])
+                pieces.append([] if p2p else self._pieces_for(j, rounds[j]))
+            metas = {e: forwards[k][e].get() for e in self.encoders}  # a failed forward is the root cause
+            if p2p:  # what each text rank receives from which encoder rank: host metadata, no tensors
+                pieces[k] = self._incoming(rounds[k], metas)
+            else:
+                self._wait_emitted([x for per_replica in pieces[k] for x in per_replica])
+            last = k == len(rounds) - 1  # the step's last backward starts the gradient all-reduces
+            if last:
+                self.text.submit("arm_gradient_reduction")
             text_refs = self._submit_text(k, rounds[k], pieces[k])
-            grads = {e: self._grads_for(k, rounds[k], e) for e in self.encoders if self.trains[e]}
+            grads = {e: self._grads_for(k, rounds[k], e) for e in self.encoders if self.trains[e] and not p2p}
             losses.append(self.text.pending("forward_backward", text_refs).get())
-            for e, per_replica in grads.items():
-                self._wait_emitted([x for xs in per_replica for x in xs])
-                backwards.append((e, self._submit_backward(e, k, per_replica)))
+            for e in self.encoders:
+                if last and self.trains[e]:
+                    self.group(e).submit("arm_gradient_reduction")
+                if p2p and self.trains[e]:  # the text heads send each encoder rank the gradients of its rows
+                    backwards.append((e, self.group(e).submit("backward", k)))
+                elif e in grads:
+                    self._wait_emitted([x for xs in grads[e] for x in xs])
+                    backwards.append((e, self._submit_backward(e, k, grads[e])))
         for e, refs in backwards:
             self.group(e).get("backward", refs)
         loss_sum = sum(loss for per_round in losses for loss, _ in per_round)
@@ -196,6 +235,56 @@ class RayBackend:
                     for a in self._emitting_ranks(e, q):
                         out[r].append(Emitted(e, a, self.group(e).submit_rank(a, "emit", k, shared, last)))
         return out
+
+    def _prefetch(self, k: int, rounds: tuple[Round, ...]) -> None:
+        """Let every encoder rank's loader start on round ``k``'s samples (nothing waits on it: a load's error
+        surfaces in the forward that takes the sample)."""
+        if k >= len(rounds) or self.cfg.data.loader_workers == 0:
+            return
+        for m in self.modules:
+            self.group(m).prefetch.submit(Broadcast(k), list(rounds[k].replicas(m)))
+
+    def _global_rank(self, module: str, rank: int) -> int:
+        """A module rank's rank in the world the p2p data plane's process groups span."""
+        return self.runtime.setup.coordinates[module][rank]["global_rank"]
+
+    def _targets(self, e: str, rnd: Round) -> list[list[tuple[list[int], list[int]]]]:
+        """[encoder replica q] -> (global ranks of text replica r, the samples of r that q encodes), for each r
+        that needs some (p2p data plane: the encoder ranks send to these ranks as soon as they have encoded)."""
+        text, lang = rnd.replicas(self.lang), self.layout[self.lang]
+        out: list[list[tuple[list[int], list[int]]]] = []
+        for enc_ids in rnd.replicas(e):
+            mine = []
+            for r, text_ids in enumerate(text):
+                shared = sorted(set(text_ids).intersection(enc_ids))
+                if shared:
+                    mine.append(([self._global_rank(self.lang, b) for b in lang.ranks_of_replica(r)], shared))
+            out.append(mine)
+        return out
+
+    def _incoming(self, rnd: Round, metas: dict[str, list[dict[str, Any]]]) -> list[list[Emitted]]:
+        """[text replica r] -> what its ranks receive, one ``Incoming`` per encoder rank that holds rows of its
+        samples (rows per sample from that rank's forward, in the order it packs them: ``_targets``)."""
+        text = rnd.replicas(self.lang)
+        out: list[list[Emitted]] = [[] for _ in text]
+        for e in self.encoders:
+            for q, enc_ids in enumerate(rnd.replicas(e)):
+                for r, text_ids in enumerate(text):
+                    shared = sorted(set(text_ids).intersection(enc_ids))
+                    for a in self._emitting_ranks(e, q) if shared else ():
+                        meta = metas[e][a]
+                        rows = tuple((i, meta["rows"][i]) for i in shared if meta["rows"].get(i, 0))
+                        if rows:
+                            reply = tuple(self._global_rank(e, b) for b in self._gradient_ranks(e, q, a))
+                            inc = Incoming(e, self._global_rank(e, a), rows, meta["width"], meta["dtype"], reply)
+                            out[r].append(Emitted(e, a, inc))
+        return out
+
+    def _gradient_ranks(self, module: str, q: int, a: int) -> list[int]:
+        """The ranks that take the gradients of the rows rank ``a`` of replica ``q`` sent: ``a`` itself under SP
+        (its own rows only); under TP every rank of the replica (they hold the same rows)."""
+        layout = self.layout[module]
+        return [a] if layout.inner_name == "sp" else layout.ranks_of_replica(q)
 
     def _emitting_ranks(self, module: str, q: int) -> list[int]:
         """Ranks of replica q that hold distinct pieces: every SP rank; one TP rank (they agree)."""
@@ -255,11 +344,17 @@ class RayBackend:
             for phase, sec in busy.items():
                 timings[f"{name}_{phase}"] = sec
             timings[f"{name}_idle"] = max(0.0, wall - sum(busy.values()))
+            for what in sorted({w for rep in per_rank for w in rep.get("waiting", {})}):  # waiting for the router
+                timings[f"{name}_{what}_wait"] = max(rep.get("waiting", {}).get(what, 0.0) for rep in per_rank)
             layout = self.layout[name]
             per_replica = [max(sum(per_rank[a]["busy"].get(p, 0.0) for p in COMPUTE_PHASES)
                                for a in layout.ranks_of_replica(q)) for q in range(layout.dp)]
             balance[name] = imbalance(per_replica)
         router = sum(rep["bytes_in"] for per_rank in reports.values() for rep in per_rank)
+        by_direction = {  # what the language model receives is embeddings; what the encoders receive, gradients
+            "forward": sum(rep["bytes_in"] for rep in reports[self.lang]),
+            "backward": sum(rep["bytes_in"] for m in self.encoders for rep in reports[m]),
+        }
         lr = max(rep["lr"] for per_rank in reports.values() for rep in per_rank)
         memory = max(rep["memory_gb"] for per_rank in reports.values() for rep in per_rank)
         comm = {f"{name}_{kind}": sum(rep["comm"].get(kind, 0) for rep in per_rank)
@@ -274,6 +369,7 @@ class RayBackend:
                           "threads": per_rank[0].get("threads", 1), "ranks": len(per_rank)}
                    for name, per_rank in reports.items()}
         return StepStats(loss, n_sup, grad_norm, lr, timings, router_bytes=router, worker_memory_gb=memory,
+                         router_bytes_by_direction=by_direction,
                          comm_bytes=comm, imbalance=balance, memory_gb_by_module=by_module, spans=spans,
                          busy_fraction=busy_fraction, devices=devices)
 

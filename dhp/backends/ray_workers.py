@@ -23,15 +23,18 @@ import os
 import socket
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from typing import Any
 
 import ray
 import torch
 
 from dhp.backends.base import process_memory_gb
+from dhp.data.loader import AheadLoader
 from dhp.engine import EncoderEngine, LanguageEngine, ModuleEngine, Parallel, Piece
 from dhp.parallel.comm import CommCounter
 from dhp.runtime import Collect, Split, WorkerBase, dispatch, produces_tensors
+from dhp.runtime.data_plane import Incoming, P2PChannel, dtype_name, open_cuda, pack_rows, share_cuda, split_rows
 from dhp.runtime.mesh import ModuleLayout, create_mesh_groups, device_mesh
 
 
@@ -55,8 +58,13 @@ class EngineWorker(WorkerBase):
         self.busy: dict[str, float] = defaultdict(float)
         self.bytes_in = 0
         self.bytes_out = 0
+        self.waiting: dict[str, float] = defaultdict(float)  # seconds waiting for the router ("router") per step
+        self.data_plane = "ray"  # p2p | cuda_ipc | ray (``dhp.runtime.cluster.resolve_data_plane``)
+        self.channel: P2PChannel | None = None
         self.par: Parallel | None = None
-        self.comm = CommCounter()  # bytes this rank hands to collectives, per kind, in the current step
+        # bytes this rank hands to collectives, per kind, in the current step: only where runtime.count_collectives
+        # asks (dhp bench), since its dispatch mode puts every op of the step through Python (docs/performance.md)
+        self.comm: CommCounter | None = None
         self.spans: list[dict[str, Any]] = []  # this step's timeline: phase, round, wall-clock start and end
 
     @dispatch(split=Split.ALL, collect=Collect.ALL)
@@ -66,7 +74,7 @@ class EngineWorker(WorkerBase):
         gloo (one default group over all actors): collective over every actor, all modules' groups.
         nccl (a default group per module): each module makes its own groups, ranks module-local."""
         layout = next(x for x in layouts if x.module == self.module)
-        if backend == "nccl":
+        if self.module_world:  # a default group per module (GPU, data plane not p2p)
             groups, offset = create_mesh_groups([layout], backend, self.rank, self.collective_timeout()), 0
         else:
             groups = create_mesh_groups(layouts, backend, self.global_rank, self.collective_timeout())
@@ -93,6 +101,27 @@ class EngineWorker(WorkerBase):
     def _keep_turns_apart(self, spec: dict[str, Any]) -> None:
         self.empty_cache = empties_cache_between_turns(spec["cfg"], spec["device"])
 
+    def _open_data_plane(self, spec: dict[str, Any]) -> None:
+        """This rank's end of the data plane the runtime chose (``spec["data_plane"]``)."""
+        self.data_plane = spec.get("data_plane", "ray")
+        if self.data_plane == "p2p":
+            if not self.data_plane_groups:
+                raise RuntimeError(f"{self.module} rank {self.rank}: p2p data plane without its process groups")
+            self.channel = P2PChannel(self.data_plane_groups, self.engine.device)
+
+    def _wait_router(self, seconds: float, key: Any) -> None:
+        """Count time spent waiting for the router (a receive, or the end of this rank's sends)."""
+        self.waiting["router"] += seconds
+        end = time.time()
+        self.spans.append({"phase": "router_wait", "round": key, "start": end - seconds, "end": end})
+
+    def _set_counting(self, spec: dict[str, Any]) -> None:
+        self.comm = CommCounter() if spec["cfg"].runtime.count_collectives else None
+
+    def counting(self) -> Any:
+        """The comm counter's context where it is on (``runtime.count_collectives``), else nothing at all."""
+        return self.comm if self.comm is not None else nullcontext()
+
     def _end_turn(self) -> None:
         """Hand this process's cached free blocks back to the device (``empties_cache_between_turns``)."""
         if getattr(self, "empty_cache", False):
@@ -107,15 +136,21 @@ class EngineWorker(WorkerBase):
         end = time.time()
         self.spans.append({"phase": phase, "round": key, "start": end - dur, "end": end})
 
+    def arm_gradient_reduction(self) -> None:
+        """The next backward is this rank's last of the step: it starts the bucketed gradient all-reduces."""
+        self.engine.arm_gradient_reduction()
+
     @dispatch(split=Split.ALL, collect=Collect.RANK_ZERO)
     def finish_gradients(self, scale: float) -> float:
         """Scale to the global token mean, reduce over the ranks with partial sums; the replica's squared norm.
 
         Every rank takes part (the norm is collective under TP and FSDP); rank 0 speaks for the module."""
+        if self.channel is not None:  # every send of the step was matched by its peer's receive by now
+            self._wait_router(self.channel.drain(), None)
         t0 = time.perf_counter()
-        with self.comm:
+        with self.counting():
             self.engine.finish_gradients(scale)
-            norm_sq = self.engine.grad_norm_sq()
+            norm_sq = float(self.engine.grad_norm_sq())  # the one host read of the norm per step
         self._timed("reduce", t0)
         return norm_sq
 
@@ -124,17 +159,21 @@ class EngineWorker(WorkerBase):
         """Optimizer step; returns this rank's timings, transfer bytes and peak memory, then resets them."""
         t0 = time.perf_counter()
         lr = self.engine.lr()  # the rate this step uses
-        with self.comm:
+        with self.counting():
             self.engine.step(clip_coef)
         self._end_turn()
         self._timed("optimizer", t0)
         out = {"busy": dict(self.busy), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-               "lr": lr, "memory_gb": process_memory_gb(), "comm": self.comm.snapshot(), "spans": self.spans,
+               "waiting": dict(self.waiting),
+               "lr": lr, "memory_gb": process_memory_gb(), "spans": self.spans,
+               "comm": self.comm.snapshot() if self.comm is not None else {},
                "device_name": _device_name(), "threads": torch.get_num_threads()}
         self.spans = []
         self.busy.clear()
+        self.waiting.clear()
         self.bytes_in = self.bytes_out = 0
-        self.comm.reset()
+        if self.comm is not None:
+            self.comm.reset()
         return out
 
     @dispatch(split=Split.ALL, collect=Collect.RANK_ZERO)
@@ -176,22 +215,63 @@ class EncoderWorker(EngineWorker):
     @dispatch(split=Split.ALL, collect=Collect.ALL)
     def init_engine(self, spec: dict[str, Any]) -> None:
         family = spec["family"]
+        self.loader = AheadLoader(self._dataset(spec).get, spec["cfg"].data.loader_workers)
         self.engine = EncoderEngine(family.module(self.module), family, spec["model_cfg"], spec["cfg"],
-                                    self._dataset(spec).get, par=self.par, device=spec["device"])
+                                    self.loader.take, par=self.par, device=spec["device"])
         self._keep_turns_apart(spec)
+        self._set_counting(spec)
+        self._open_data_plane(spec)
         self.outputs: dict[Any, dict[int, Piece]] = {}
+        self.sent: dict[Any, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}  # key -> (text head, rows) sent
 
     @dispatch(split=Split.REPLICA, collect=Collect.ALL)
-    def forward(self, key: Any, sample_ids: list[int]) -> int:
-        """Encode this rank's part of its replica's samples of round ``key``; kept until ``emit`` hands it out."""
+    def prefetch(self, key: Any, sample_ids: list[int]) -> None:
+        """Start decoding round ``key``'s samples of this replica in the background (``data.loader_workers``);
+        returns at once, so the forward queued behind this call runs while they decode."""
+        self.loader.prefetch(key, list(sample_ids))
+
+    @dispatch(split=Split.REPLICA, collect=Collect.ALL)
+    def forward(self, key: Any, sample_ids: list[int],
+                targets: list[tuple[list[int], list[int]]] | None = None) -> dict[str, Any]:
+        """Encode this rank's part of its replica's samples of round ``key``; the rows it holds per sample.
+
+        ``targets`` (p2p data plane): (global ranks of a text replica, its sample ids) for every text replica
+        that needs some of them: the rows are sent to those ranks at once (asynchronously). Otherwise they are
+        kept until ``emit`` hands them out. The result is the receivers' metadata: rows per sample, the
+        rows' width and dtype."""
         t0 = time.perf_counter()
-        with self.comm:
+        with self.counting():
             out = self.engine.forward(key, list(sample_ids))
-        if out:  # kept until the last text replica's emit; a rank with nothing to hand out keeps nothing
-            self.outputs[key] = out
         self._end_turn()
         self._timed("forward", t0, key)
-        return len(out)
+        self.spans.extend(self.loader.finished_spans())  # the background's loads, on this rank's row
+        self.waiting["data"] += self.loader.pop_waited()  # part of the forward: its samples were not ready
+        width = next(iter(out.values()))[1].shape[-1] if out else 0
+        dtype = dtype_name(next(iter(out.values()))[1].dtype) if out else "float32"
+        if targets is not None:
+            self._send_pieces(key, out, targets)
+        elif out:  # kept until the last text replica's emit; a rank with nothing to hand out keeps nothing
+            self.outputs[key] = out
+        return {"rows": {sid: len(index) for sid, (index, _) in out.items()}, "width": width, "dtype": dtype}
+
+    def _shared(self, obj: Any) -> Any:
+        """What goes through Ray: the tensors themselves, or (``cuda_ipc``) their CUDA IPC handles."""
+        return share_cuda(obj) if self.data_plane == "cuda_ipc" else obj
+
+    def _send_pieces(self, key: Any, out: dict[int, Piece], targets: list[tuple[list[int], list[int]]]) -> None:
+        """Send each text replica the rows of its samples (every one of its ranks: under TP each needs them);
+        remember what went to each replica's head, which sends their gradients back."""
+        sends = self.par is None or self.par.inner_kind != "tp" or self.par.inner_rank == 0  # TP ranks agree
+        sent = []
+        for ranks, ids in targets:
+            counts, index, rows = pack_rows(out, list(ids), self.engine.device)
+            if not counts:
+                continue
+            for peer in ranks if sends else ():
+                self.bytes_out += self.channel.send("forward", peer, [index, rows])
+            sent.append((ranks[0], counts))
+        if self.engine.needs_backward:
+            self.sent[key] = sent
 
     @produces_tensors
     def emit(self, key: Any, sample_ids: list[int], last: bool) -> dict[int, Piece]:
@@ -203,16 +283,38 @@ class EncoderWorker(EngineWorker):
             self.outputs.pop(key, None)
         self.bytes_out += _nbytes(out)
         self._timed("emit", t0, key, busy=False)
-        return out
+        return self._shared(out)
 
     def backward(self, key: Any, *grads: dict[int, torch.Tensor]) -> None:
+        """Backward of round ``key`` from the gradients of this rank's rows: received from the text replicas'
+        heads (p2p), or handed in by the driver (whole per-sample gradients; this rank takes its rows)."""
+        if self.channel is not None:
+            return self._backward_p2p(key)
         t0 = time.perf_counter()
         received: dict[int, torch.Tensor] = {}
         for g in grads:
-            received.update(g)
+            received.update(open_cuda(g) if self.data_plane == "cuda_ipc" else g)
         self.bytes_in += _nbytes(received)
-        with self.comm:
+        with self.counting():
             self.engine.backward(key, received)
+        self._end_turn()
+        self._timed("backward", t0, key)
+
+    def _backward_p2p(self, key: Any) -> None:
+        sent = self.sent.pop(key, [])
+        width = self.engine.output_width(key)
+        dtype = dtype_name(self.engine.output_dtype(key))
+        incoming = [Incoming(self.module, head, counts, width, dtype) for head, counts in sent]
+        got, waited = self.channel.receive("backward", incoming, with_index=False)
+        self._wait_router(waited, key)
+        t0 = time.perf_counter()
+        rows: dict[int, torch.Tensor] = {}
+        for inc, (_, grad) in zip(incoming, got, strict=True):
+            sizes = [n for _, n in inc.rows]
+            rows.update({sid: g for (sid, _), g in zip(inc.rows, grad.split(sizes), strict=True)})
+            self.bytes_in += grad.numel() * grad.element_size()
+        with self.counting():
+            self.engine.backward_rows(key, rows)
         self._end_turn()
         self._timed("backward", t0, key)
 
@@ -223,31 +325,71 @@ class LanguageWorker(EngineWorker):
     @dispatch(split=Split.ALL, collect=Collect.ALL)
     def init_engine(self, spec: dict[str, Any]) -> None:
         family = spec["family"]
-        self.engine = LanguageEngine(family, spec["model_cfg"], spec["cfg"], self._dataset(spec).get, par=self.par,
+        self.loader = AheadLoader(self._dataset(spec).get, spec["cfg"].data.loader_workers, pixels=False)
+        self.engine = LanguageEngine(family, spec["model_cfg"], spec["cfg"], self.loader.take, par=self.par,
                                      device=spec["device"])
         self._keep_turns_apart(spec)
+        self._set_counting(spec)
+        self._open_data_plane(spec)
         self.grads: dict[tuple[Any, str], dict[int, torch.Tensor]] = {}
+
+    @dispatch(split=Split.REPLICA, collect=Collect.ALL)
+    def prefetch(self, key: Any, sample_ids: list[int]) -> None:
+        """Start reading round ``key``'s samples of this replica (placeholders, no pixels) in the background."""
+        self.loader.prefetch(key, list(sample_ids))
 
     @dispatch(split=Split.RANK, collect=Collect.REPLICA_HEADS)  # one loss per replica: its head's
     def forward_backward(self, key: Any, sample_ids: list[int], sources: list[str],
                          *pieces: dict[int, Piece]) -> tuple[float, int]:
         """Loss of this replica's micro-batch (summed) and its supervised-token count.
 
-        ``pieces[i]`` came from a rank of encoder ``sources[i]``."""
+        ``pieces[i]`` came from a rank of encoder ``sources[i]``: its pieces themselves (through Ray), or an
+        ``Incoming`` (p2p data plane): what to receive from that rank, which sends it directly."""
+        incoming = [p for p in pieces if isinstance(p, Incoming)]
+        got: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if incoming:
+            got, waited = self.channel.receive("forward", incoming)
+            self._wait_router(waited, key)
         t0 = time.perf_counter()
         received: dict[str, dict[int, list[Piece]]] = defaultdict(lambda: defaultdict(list))
+        arrived = iter(got)
         for source, part in zip(sources, pieces, strict=True):
+            if isinstance(part, Incoming):
+                index, rows = next(arrived)
+                self.bytes_in += index.numel() * index.element_size() + rows.numel() * rows.element_size()
+                part = split_rows(part.rows, index, rows)
+            else:
+                part = open_cuda(part) if self.data_plane == "cuda_ipc" else part
+                self.bytes_in += _nbytes(part)
             for sid, piece in part.items():
                 received[source][sid].append(piece)
-        self.bytes_in += _nbytes(pieces)
-        with self.comm:
+        with self.counting():
             loss, n, grads = self.engine.forward_backward(sample_ids, received)
         if self.par is None or self.par.inner_rank == 0:  # the replica head hands gradients back
-            for encoder, per_sample in grads.items():
-                self.grads[(key, encoder)] = per_sample
+            if incoming:
+                self._send_grads(grads, incoming, got)
+            else:
+                for encoder, per_sample in grads.items():
+                    self.grads[(key, encoder)] = per_sample
         self._end_turn()
         self._timed("forward_backward", t0, key)
-        return loss, n
+        self.loader.finished_spans()  # the text side's reads are not drawn (they read no pixels)
+        self.waiting["data"] += self.loader.pop_waited()
+        return float(loss), n  # the driver sums the losses: one read per micro-batch, after its backward
+
+    def _send_grads(self, grads: dict[str, dict[int, torch.Tensor]], incoming: list[Incoming],
+                    got: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """To each encoder rank that sent rows: the gradients of exactly those rows, in its order and dtype."""
+        for inc, (index, _) in zip(incoming, got, strict=True):
+            if inc.module not in grads:  # a frozen encoder takes no gradients
+                continue
+            per_sample = grads[inc.module]
+            sizes = [n for _, n in inc.rows]
+            rows = [per_sample[sid][token_index] for (sid, _), token_index in
+                    zip(inc.rows, index.split(sizes), strict=True)]
+            grad = torch.cat(rows).to(_dtype_of(inc.dtype))
+            for peer in inc.gradient_peers:
+                self.bytes_out += self.channel.send("backward", peer, [grad])
 
     @produces_tensors
     def emit_grads(self, key: Any, encoder: str, sample_ids: list[int], last: bool) -> dict[int, torch.Tensor]:
@@ -262,7 +404,7 @@ class LanguageWorker(EngineWorker):
             del self.grads[(key, encoder)]
         self.bytes_out += _nbytes(out)
         self._timed("emit", t0, key, busy=False)
-        return out
+        return share_cuda(out) if self.data_plane == "cuda_ipc" else out
 
 
 def empties_cache_between_turns(cfg: Any, device: Any) -> bool:
@@ -278,6 +420,10 @@ def empties_cache_between_turns(cfg: Any, device: Any) -> bool:
     if mode == "never" or str(device).split(":")[0] != "cuda":
         return False
     return mode == "always" or cfg.runtime.placement == "collocated"
+
+
+def _dtype_of(name: str) -> torch.dtype:
+    return getattr(torch, name)
 
 
 def _device_name() -> str:

@@ -75,6 +75,24 @@ def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
     return targets
 
 
+@dataclass(frozen=True, eq=False)
+class PackedMeta:
+    """Host metadata of a packed batch, computed on the CPU from the plan's samples, never read back from a device.
+
+    Why: a micro-batch that asks the device for its own segment boundaries, its placeholder count or its
+    supervised rows waits for the device each time (a sync). These come with the batch instead; the model moves
+    each index to the device once (``TextModel.loss_sum(..., meta=)``). Flat positions index the batch's
+    ``[B * L]`` tokens."""
+
+    cu_seqlens: tuple[int, ...]  # sample boundaries in the row (the attention's segments)
+    label_rows: torch.Tensor  # [n_supervised] long: positions whose (shifted) target is supervised, ascending
+    placeholders: dict[int, torch.Tensor]  # placeholder token id -> its positions [n] long, ascending
+
+    @property
+    def num_supervised(self) -> int:
+        return int(self.label_rows.numel())
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [1, T]
@@ -91,6 +109,17 @@ class Batch:
     @property
     def num_supervised(self) -> int:
         return int((self.targets != IGNORE_INDEX).sum())
+
+    def meta(self, placeholder_ids: tuple[int, ...] | list[int] = ()) -> PackedMeta:
+        """This batch's host metadata (``PackedMeta``), read from its host tensors: call it before ``to(device)``."""
+        if self.input_ids.device.type != "cpu" or self.targets.device.type != "cpu":
+            raise ValueError("Batch.meta reads the batch's host tensors: call it before Batch.to(device)")
+        flat_ids, flat_targets = self.input_ids.reshape(-1), self.targets.reshape(-1)
+        return PackedMeta(
+            cu_seqlens=tuple(self.cu_seqlens.tolist()),
+            label_rows=(flat_targets != IGNORE_INDEX).nonzero().flatten(),
+            placeholders={int(t): (flat_ids == t).nonzero().flatten() for t in placeholder_ids},
+        )
 
     @property
     def num_tokens(self) -> int:

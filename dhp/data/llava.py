@@ -77,6 +77,7 @@ class _Record:
     problem: str | None = None  # a structural problem found while parsing
     videos: list[Path | list[Path]] = field(default_factory=list)  # a file, or a list of frame images
     audios: list[Path] = field(default_factory=list)
+    parts: bool = False  # HF chat content: media given as {"type": "image"} parts, not <image> tags
 
 
 @dataclass(frozen=True)
@@ -390,6 +391,8 @@ def _summary(file: Path, issues: list[DataIssue], image_root: Path, cfg: DataCon
                 f"tokens; samples are never cut); raise data.max_length to at least {longest}, lower "
                 f"data.max_pixels, or " + ("shorten them" if skipping else "set data.on_error=skip to drop them"))
     lines = [str(i) for i in issues[:MAX_LISTED_ISSUES]]
+    if lines:
+        head += " (samples are numbered from 0, in file order)"
     more = len(issues) - len(lines)
     tail = [f"... and {more} more"] if more > 0 else []
     return "\n".join([head, *lines, *tail])
@@ -401,19 +404,22 @@ def _check_conversation(rec: _Record) -> list[str]:
         return ["empty conversation; give at least one user and one assistant turn"]
     if not any(m["role"] == "assistant" for m in rec.messages):
         problems.append("no assistant turn, nothing to learn; add a 'gpt'/'assistant' reply or drop the sample")
-    n_ph = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in rec.messages)
-    if n_ph != len(rec.images):
-        problems.append(f"{n_ph} {IMAGE_PLACEHOLDER} placeholder{'s' if n_ph != 1 else ''} but "
-                        f"{len(rec.images)} image{'s' if len(rec.images) != 1 else ''}; make them equal")
-    n_vid = sum(m["content"].count(VIDEO_PLACEHOLDER) for m in rec.messages)
-    if n_vid != len(rec.videos):
-        problems.append(f"{n_vid} {VIDEO_PLACEHOLDER} placeholder{'s' if n_vid != 1 else ''} but "
-                        f"{len(rec.videos)} video{'s' if len(rec.videos) != 1 else ''}; make them equal")
-    n_aud = sum(m["content"].count(AUDIO_PLACEHOLDER) for m in rec.messages)
-    if n_aud != len(rec.audios):
-        problems.append(f"{n_aud} {AUDIO_PLACEHOLDER} placeholder{'s' if n_aud != 1 else ''} but "
-                        f"{len(rec.audios)} audio clip{'s' if len(rec.audios) != 1 else ''}; make them equal")
+    for tag, given, kind, noun in ((IMAGE_PLACEHOLDER, rec.images, "image", "image"),
+                                   (VIDEO_PLACEHOLDER, rec.videos, "video", "video"),
+                                   (AUDIO_PLACEHOLDER, rec.audios, "audio", "audio clip")):
+        n = sum(m["content"].count(tag) for m in rec.messages)
+        if n != len(given):
+            plural = "s" if len(given) != 1 else ""
+            found = f"{n} {tag} placeholder{'s' if n != 1 else ''} but {len(given)} {noun}{plural}"
+            problems.append(f"{found}: {_parts_fix(n, kind)}" if rec.parts else f"{found}; make them equal")
     return problems
+
+
+def _parts_fix(n: int, kind: str) -> str:
+    """The fix for HF chat content, in its own terms: the sample has ``{"type": kind}`` parts, not tags."""
+    return (f"the content has {n} {{\"type\": \"{kind}\"}} part{'s' if n != 1 else ''} (dhp counts each as a "
+            f"{kind} placeholder); give each part its file ('path', '{kind}' or 'url' in the part) or list exactly "
+            f"one file per bare part in '{kind}s'")
 
 
 def _name(clip: Path | list[Path]) -> str:
@@ -485,7 +491,9 @@ def _record(index: int, item: Any, error: str | None, image_root: Path) -> _Reco
         sounds = [_local_image(a, image_root, "audio") for a in audios]
     except ValueError as e:
         return _Record(index, [], [], str(e))
-    return _Record(index, messages, images, videos=clips, audios=sounds)
+    parts = "messages" in item and any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                                       for m in item["messages"])
+    return _Record(index, messages, images, videos=clips, audios=sounds, parts=parts)
 
 
 def _video_list(item: dict[str, Any]) -> list[str | list[str]]:

@@ -1,17 +1,22 @@
 """Building blocks shared by model families: RMSNorm, rotary helpers, packed attention.
 
-``packed_attention`` runs scaled-dot-product attention over a packed sequence
-cut into independent segments (images, attention windows, samples) without
-ever building a mask over the whole sequence: segments of equal length are
-gathered into one batch and sent through ``F.scaled_dot_product_attention``.
-Windows of Qwen2.5-VL are mostly of one size, so a window layer is a handful of
-batched SDPA calls and its memory grows linearly with the number of tokens.
+``packed_attention`` runs attention over a packed sequence cut into independent
+segments (images, attention windows, samples) without ever building a mask over
+the whole sequence. On CUDA in bfloat16 it runs FlashAttention's variable-length
+kernel over the whole sequence (no gather, no scatter); elsewhere (the CPU, the
+reference) segments of equal length are gathered into one batch and sent
+through ``F.scaled_dot_product_attention``. Windows of Qwen2.5-VL are mostly of
+one size, so a window layer is a handful of batched SDPA calls and its memory
+grows linearly with the number of tokens. The segments are host metadata
+(``Segments``): no layer reads a boundary back from the device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +30,9 @@ def host_metadata() -> Iterator[None]:
     shape-only run, ``dhp plan``). Outside such a mode it does nothing."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily():
+    from dhp.observe.syncs import host_region
+
+    with unset_fake_temporarily(), host_region():  # (the sync audit counts no tensor made here as a device value)
         yield
 
 
@@ -36,7 +43,25 @@ def has_values(t: torch.Tensor) -> bool:
     return not (t.is_meta or is_fake(t))
 
 
+def autocast_on(t: torch.Tensor) -> bool:
+    """Whether autocast is on for ``t``'s device (never for the meta device, which has no autocast)."""
+    device = t.device.type
+    return device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype activations of ``t``'s device carry: autocast's where autocast is on there, else ``t``'s own."""
+    return torch.get_autocast_dtype(t.device.type) if autocast_on(t) else t.dtype
+
+
 class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 inside; the output is in the compute dtype.
+
+    Outside autocast that is HF's ``weight * x32.to(x.dtype)``, exactly. Under autocast (bfloat16 compute over
+    float32 master weights) the product is taken in the compute dtype too, so the norm's output, the residual
+    stream after it and the sequence-parallel collectives around it carry bfloat16, not the float32 the
+    weight's dtype would promote them to."""
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -46,6 +71,9 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if autocast_on(x):  # the product in the compute dtype too
+            out = compute_dtype(x)
+            return self.weight.to(out) * x32.to(out)
         return self.weight * x32.to(dtype)
 
     def reset_parameters(self) -> None:
@@ -78,37 +106,204 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x32 * cos + rotate_half(x32) * sin).to(dtype)
 
 
+class Segments:
+    """Host metadata of a packed sequence: where its segments (samples, images, windows, chunks) start and end.
+
+    Why: attention within segments needs their boundaries on the host (the SDPA path groups segments by length;
+    varlen kernels take ``max_seqlen`` as an int) and on the device (index tensors, ``cu_seqlens``). Read from a
+    device tensor in every layer, each of those is a device-to-host sync that stalls the stream. A ``Segments`` is
+    built once per micro-batch from host integers (the batch plan's, or a layout's computed on the CPU) and makes
+    each device tensor once, on first use, for all the layers that share it (and for their recomputation under
+    activation checkpointing). ``kernel`` is the attention kernel asked for (``train.attention``:
+    ``attention_kernel``)."""
+
+    __slots__ = ("bounds", "kernel", "_cache")
+
+    def __init__(self, bounds: Sequence[int], kernel: str = "auto") -> None:
+        self.bounds = tuple(int(b) for b in bounds)
+        if not self.bounds or self.bounds[0] != 0 or any(n < p for p, n in self._pairs()):
+            raise ValueError(f"segment boundaries must start at 0 and never decrease, got {list(self.bounds)[:8]}")
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention kernel {kernel!r} is none of {ATTENTION_KERNELS}")
+        self.kernel = kernel
+        self._cache: dict[Any, Any] = {}
+
+    @classmethod
+    def of(cls, cu_seqlens: Segments | torch.Tensor | Sequence[int], kernel: str | None = None) -> Segments:
+        """``cu_seqlens`` as ``Segments``: a ``Segments`` as it is (its kernel replaced where ``kernel`` is given),
+        or boundaries from a host tensor or list. A device tensor is read back here (one sync): pass host
+        metadata instead."""
+        if isinstance(cu_seqlens, Segments):
+            return cu_seqlens if kernel is None or kernel == cu_seqlens.kernel else cu_seqlens.with_kernel(kernel)
+        if isinstance(cu_seqlens, torch.Tensor):
+            with host_metadata():
+                cu_seqlens = cu_seqlens.tolist()
+        return cls(cu_seqlens, kernel or "auto")
+
+    def _pairs(self) -> Iterator[tuple[int, int]]:
+        return zip(self.bounds[:-1], self.bounds[1:], strict=True)
+
+    def with_kernel(self, kernel: str) -> Segments:
+        return self._memo(("kernel", kernel), lambda: Segments(self.bounds, kernel))
+
+    @property
+    def total(self) -> int:
+        return self.bounds[-1]
+
+    @property
+    def max_len(self) -> int:
+        return max((b - a for a, b in self._pairs()), default=0)
+
+    def padded(self, extra: int) -> Segments:
+        """These segments and one more of ``extra`` tokens at the end (a padding segment no real token sees)."""
+        if extra <= 0:
+            return self
+        return self._memo(("padded", extra), lambda: Segments((*self.bounds, self.total + extra), self.kernel))
+
+    def cu_seqlens(self, device: torch.device) -> torch.Tensor:
+        """``[n + 1]`` int32 boundaries on ``device`` (what varlen kernels take), made once per device."""
+        return self._memo(("cu", str(device)), lambda: torch.tensor(self.bounds, dtype=torch.int32, device=device))
+
+    def length_groups(self, device: torch.device) -> list[tuple[int, int, torch.Tensor | None]]:
+        """(length, count, token rows ``[count * length]`` on ``device``) per distinct non-empty segment length,
+        ascending, each group's segments in sequence order; rows None where one group tiles the whole sequence
+        in order (no gather needed). Made once per device."""
+        def build() -> list[tuple[int, int, torch.Tensor | None]]:
+            by_length: dict[int, list[int]] = {}
+            for start, end in self._pairs():
+                if end > start:
+                    by_length.setdefault(end - start, []).append(start)
+            if len(by_length) == 1:
+                ((length, starts),) = by_length.items()
+                if len(starts) * length == self.total:  # equal segments end to end: a view, no gather
+                    return [(length, len(starts), None)]
+            groups = []
+            for length in sorted(by_length):
+                starts = torch.tensor(by_length[length], dtype=torch.long, device=device)
+                rows = (starts[:, None] + torch.arange(length, device=device)).reshape(-1)
+                groups.append((length, len(by_length[length]), rows))
+            return groups
+
+        return self._memo(("groups", str(device)), build)
+
+    def _memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def __repr__(self) -> str:
+        return f"Segments({len(self.bounds) - 1} segments, {self.total} tokens, kernel={self.kernel})"
+
+
+ATTENTION_KERNELS = ("auto", "sdpa", "varlen")
+
+
+def attention_kernel(choice: str, q: torch.Tensor) -> str:
+    """The kernel ``packed_attention`` runs for ``choice`` (``train.attention``) on ``q``: ``sdpa`` or ``varlen``.
+
+    ``auto``: varlen (FlashAttention's variable-length kernels, ``varlen_kernel``) for a CUDA tensor in half
+    precision (bfloat16 or float16, what those kernels take) where one is installed, else the SDPA path (the CPU,
+    float32, and the planner's shape-only runs, whose memory and FLOP counts follow the SDPA path). ``varlen``
+    asks for it: an error where it cannot run, except in a shape-only run (which prices the SDPA path)."""
+    if choice == "sdpa" or not has_values(q):
+        return "sdpa"
+    usable = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    if usable and varlen_kernel() is not None:
+        return "varlen"
+    if choice == "varlen":
+        why = ("no varlen kernel is installed (torch.nn.attention.varlen or flash_attn)" if usable else
+               f"its kernels run on CUDA in bfloat16/float16, this attention runs on {q.device.type} in {q.dtype}")
+        raise ValueError(f"train.attention=varlen: {why}; use train.attention=auto or sdpa"
+                         + ("" if usable else " (or train.dtype=bfloat16 on a GPU)"))
+    return "sdpa"
+
+
+@functools.cache
+def varlen_kernel() -> str | None:
+    """Which variable-length attention is installed: ``torch`` (``torch.nn.attention.varlen``, torch >= 2.9),
+    ``flash_attn`` (the FlashAttention package, optional), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+
+        return "torch"
+    except ImportError:
+        pass
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+
+        return "flash_attn"
+    except ImportError:
+        return None
+
+
 def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Segments | torch.Tensor, causal: bool
 ) -> torch.Tensor:
     """Attention within segments of a packed sequence.
 
     q: [S, Hq, D], k/v: [S, Hkv, D] (Hq a multiple of Hkv: grouped-query attention),
-    cu_seqlens: [n_segments + 1] cumulative boundaries with cu_seqlens[-1] == S.
-    Returns [S, Hq, D]. Tokens attend only within their own segment.
+    cu_seqlens: the segments (``Segments``, host metadata; or a tensor of ``[n_segments + 1]`` cumulative
+    boundaries, read on the host) with the last boundary == S.
+    Returns [S, Hq, D]. Tokens attend only within their own segment (causally where ``causal``).
     """
-    seq, n_heads, _ = q.shape
-    bounds = cu_seqlens.tolist()
-    if bounds[-1] != seq:
-        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the sequence has {seq} tokens")
+    segments = Segments.of(cu_seqlens)
+    seq = q.shape[0]
+    if segments.total != seq:
+        raise ValueError(f"cu_seqlens ends at {segments.total} but the sequence has {seq} tokens")
     if seq == 0:
         # Nothing to attend, but q, k and v stay in the graph: their projections then get a (zero) gradient
         # rather than none. Ranks with no tokens (an empty SP shard, a replica without images) must hand
         # FSDP2 the same gradients as their peers, or its reduce-scatters differ in size (gloo aborts, NCCL hangs).
         return q * 0 + (k.sum() + v.sum()) * 0
-    out = q.new_empty(q.shape)
-    # segments grouped by length on the host (the boundaries are host metadata): ascending lengths, each group's
-    # segments in sequence order; no device read, so a fake (shape-only) run of the planner goes through too
-    by_length: dict[int, list[int]] = {}
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if end > start:
-            by_length.setdefault(end - start, []).append(start)
+    if attention_kernel(segments.kernel, q) == "varlen":
+        return varlen_attention(q, k, v, segments, causal)
+    return sdpa_packed_attention(q, k, v, segments, causal)
+
+
+def sdpa_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
+                          causal: bool) -> torch.Tensor:
+    """The SDPA path (the CPU's, and the reference): segments of equal length batched into one
+    ``F.scaled_dot_product_attention`` call each, gathered with ``index_select`` and written back with
+    ``index_copy_``; equal segments that tile the sequence need neither. No mask over the whole sequence."""
+    n_heads, head_dim = q.shape[1], q.shape[-1]
     gqa = k.shape[1] != n_heads
-    for length in sorted(by_length):
-        seg_starts = torch.tensor(by_length[length], dtype=torch.long, device=q.device)
-        idx = (seg_starts[:, None] + torch.arange(length, device=q.device)).reshape(-1)  # [n * L]
-        qs, ks, vs = (t.index_select(0, idx).view(len(seg_starts), length, t.shape[1], -1).transpose(1, 2)
+    groups = segments.length_groups(q.device)
+    if groups[0][2] is None:  # one length, end to end
+        length, n, _ = groups[0]
+        qs, ks, vs = (t.reshape(n, length, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=gqa)
+        return o.transpose(1, 2).reshape(q.shape)
+    out = q.new_empty(q.shape)
+    for length, n, rows in groups:
+        qs, ks, vs = (t.index_select(0, rows).view(n, length, t.shape[1], head_dim).transpose(1, 2)
                       for t in (q, k, v))  # [n, H, L, D]
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=gqa)
-        out.index_copy_(0, idx, o.transpose(1, 2).reshape(-1, n_heads, q.shape[-1]))
+        out.index_copy_(0, rows, o.transpose(1, 2).reshape(-1, n_heads, head_dim))
     return out
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
+                     causal: bool) -> torch.Tensor:
+    """FlashAttention's variable-length kernel over the whole packed sequence: no gather, no scatter, no padding;
+    ``cu_seqlens`` (int32, on the device once per batch) and ``max_seqlen`` (a host int) from ``segments``.
+    torch's ``varlen_attn`` where it exists, else the ``flash_attn`` package. CUDA, bfloat16/float16 only."""
+    cu = segments.cu_seqlens(q.device)
+    longest = segments.max_len
+    if varlen_kernel() == "torch":
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters
+        gqa = k.shape[1] != q.shape[1]
+        if gqa and "enable_gqa" not in params:  # an older torch: whole heads for every query head
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        kwargs: dict[str, Any] = {"enable_gqa": True} if gqa and "enable_gqa" in params else {}
+        if "window_size" in params:
+            kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+        else:
+            kwargs["is_causal"] = causal
+        return varlen_attn(q, k, v, cu, cu, longest, longest, **kwargs)
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)

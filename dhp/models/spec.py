@@ -97,7 +97,8 @@ class EncoderSpec(ModuleSpec):
     ``encode(module, samples, par, device) -> (embeds [n_local, D], index [n_local])``: embeddings of the
     placeholder tokens this rank computed, and for each its position among the placeholder tokens of the
     batch (the samples' placeholder tokens concatenated in sample order). Without sequence parallelism a
-    rank computes all of them, in order.
+    rank computes all of them, in order. ``index`` is host metadata (a CPU tensor): the engine cuts it per
+    sample without reading the device.
     """
 
     num_tokens: Callable[[Any, Any], int] = lambda sample, model_cfg: 0  # noqa: E731 - (Sample, model_cfg)
@@ -120,8 +121,9 @@ class EncoderSpec(ModuleSpec):
 
 @dataclass(frozen=True)
 class LanguageSpec(ModuleSpec):
-    """The language model: ``module.loss_sum(input_ids, position_ids, targets, media, cu_seqlens)`` with
-    ``media = {placeholder token id: embeddings [n, D] in order}`` returns the summed next-token loss."""
+    """The language model: ``module.loss_sum(input_ids, position_ids, targets, media, cu_seqlens, meta=None)`` with
+    ``media = {placeholder token id: embeddings [n, D] in order}`` returns the summed next-token loss; ``meta`` is
+    the batch's host metadata (``dhp.data.batch.PackedMeta``), which the engine always passes."""
 
 
 @dataclass(frozen=True)

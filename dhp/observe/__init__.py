@@ -1,2 +1,3 @@
 """Observability: model FLOPs and MFU (``flops``), the step timeline (``trace``), TensorBoard scalars
-(``tensorboard``) and plots of a run (``report``). Generic: nothing here imports a model family."""
+(``tensorboard``), plots of a run (``report``) and the sync audit (``syncs``). Generic: nothing here imports a
+model family."""

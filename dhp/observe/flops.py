@@ -56,7 +56,10 @@ def shape_only_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 causal: bool) -> torch.Tensor:
     """``dhp.models.layers.packed_attention`` with the segment bookkeeping in Python, so that it runs on the
     meta device (the original groups segments with ``torch.unique`` on q's device, which needs values).
-    The same SDPA calls on the same shapes: the same FLOPs. ``cu_seqlens`` must be a CPU tensor or a list."""
+    The same SDPA calls on the same shapes: the same FLOPs. ``cu_seqlens`` must be a CPU tensor, a list or
+    ``Segments``."""
+    if hasattr(cu_seqlens, "bounds"):  # dhp.models.layers.Segments (host metadata)
+        cu_seqlens = cu_seqlens.bounds
     bounds = [int(b) for b in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
     seq, n_heads, head_dim = q.shape
     if bounds[-1] != seq:

@@ -18,7 +18,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-PHASES = ("forward", "emit", "forward_backward", "backward", "reduce", "optimizer", "waiting")
+# "load": an encoder rank's background loader decoding a round (dhp.data.loader); "router_wait": a rank waiting on
+# the point-to-point data plane (a receive, or its sends' completion); "emit": handing pieces to Ray
+PHASES = ("load", "forward", "emit", "router_wait", "forward_backward", "backward", "reduce", "optimizer",
+          "waiting")
 
 
 def traced_steps(setting: int | list[int]) -> set[int] | None:

@@ -67,6 +67,13 @@ def _nbytes(x) -> int:
     return 0
 
 
+def _dtype_name(x) -> str:
+    """A payload's dtype (``bfloat16``, ``float32``): the first tensor's, for a list of them."""
+    if isinstance(x, (list, tuple)):
+        return _dtype_name(x[0]) if x else "none"
+    return str(x.dtype).removeprefix("torch.") if isinstance(x, torch.Tensor) else "none"
+
+
 def _process_group(group) -> dist.ProcessGroup:
     """A collective's group as the dispatcher hands it: boxed (c10d ops) or by name (functional ops)."""
     if isinstance(group, str):
@@ -102,7 +109,8 @@ def _sent_to_others(name: str, func, args: tuple, kwargs: dict) -> int | None:
 
 class CommCounter(TorchDispatchMode):
     """``with CommCounter() as c: ...`` then ``c.bytes`` ({kind: payload bytes}), ``c.sent`` ({kind: bytes sent
-    to other ranks}, all-to-all and send only) and ``c.calls`` ({kind: count}).
+    to other ranks}, all-to-all and send only), ``c.calls`` ({kind: count}) and ``c.dtypes`` ({(kind, payload
+    dtype): count}).
 
     Collectives run in backward are counted too when backward runs inside the block.
     """
@@ -112,6 +120,7 @@ class CommCounter(TorchDispatchMode):
         self.bytes: Counter[str] = Counter()
         self.sent: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+        self.dtypes: Counter[tuple[str, str]] = Counter()  # (kind, payload dtype) -> calls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -122,6 +131,7 @@ class CommCounter(TorchDispatchMode):
                 arg = args[_PAYLOAD_ARG.get(name, 0)] if args else None
                 self.bytes[kind] += _nbytes(arg)
                 self.calls[kind] += 1
+                self.dtypes[(kind, _dtype_name(arg))] += 1
                 sent = _sent_to_others(name, func, args, kwargs)
                 if sent is not None:
                     self.sent[kind] += sent
@@ -134,3 +144,4 @@ class CommCounter(TorchDispatchMode):
         self.bytes.clear()
         self.sent.clear()
         self.calls.clear()
+        self.dtypes.clear()

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.checkpoint import checkpoint
 
+from dhp.optim import BF16AdamW
 from dhp.parallel.tensor import local_tensor
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
@@ -77,7 +78,7 @@ def make_zero1_optimizer(
     return ZeroRedundancyOptimizer(groups, optimizer_class=_factory_class(optimizer_factory), process_group=dp_group)
 
 
-_ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+_ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, BF16AdamW)  # BF16AdamW: train.precision=bf16
 
 
 class _LocalShardZero(ZeroRedundancyOptimizer):

@@ -13,7 +13,8 @@ Why these exist beside ``torch.distributed.tensor.parallel``:
   sum of exponentials and of the target logit; the softmax never leaves its
   shard). It returns a plain replicated float32 scalar.
 - ``grad_norm_sq``: a module after TP/FSDP holds any mix of plain tensors and
-  DTensors. Each shard must be counted once and each replica once; the
+  DTensors (the result stays on the device: the step reads it once, for
+  clipping and the log). Each shard must be counted once and each replica once; the
   squared norm of a DTensor's local shard is summed over exactly the mesh
   dimensions on which it is sharded, so the answer is right for TP
   (``Shard``), FSDP2 (``Shard(0)`` over dp) and replicated parameters alike.
@@ -128,18 +129,21 @@ def vocab_parallel_cross_entropy_sum(logits: DTensor, targets: torch.Tensor) -> 
     return _VocabParallelCE.apply(local, targets.reshape(-1).to(local.device), start, end, mesh.get_group())
 
 
-def grad_norm_sq(params: Iterable[torch.Tensor]) -> float:
-    """Squared L2 norm of the gradients of ``params`` (plain tensors and DTensors in any mix).
+def grad_norm_sq(params: Iterable[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """Squared L2 norm of the gradients of ``params`` (plain tensors and DTensors in any mix), as a float64
+    scalar on the device: no host read (the caller reads it once per step, where it needs the number).
 
     Plain tensors are counted as they are (they are replicas, equal on every rank of a mesh). A DTensor's local
     shard is squared and summed, then all-reduced over each mesh dimension that splits it (``Shard``, or the
     ``_StridedShard`` of FSDP2 over TP): a shard is counted once and a ``Replicate`` dimension once, not ``n``
-    times. ``Partial`` gradients are reduced first.
+    times. ``Partial`` gradients are reduced first. One ``torch._foreach_norm`` per group of tensors (the plain
+    ones; the shards of each mesh and placement) and one all-reduce per mesh dimension, whatever the number of
+    parameters. ``device``: where the result lives (default: the gradients').
     Collective: every rank holding DTensor grads on a mesh must call it with the same parameters, in the same
-    order. Returns the same float on every rank. Shared parameters (tied weights) are counted once.
+    order. Returns the same value on every rank. Shared parameters (tied weights) are counted once.
     """
-    plain = torch.zeros((), dtype=torch.float64)
-    by_mesh: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh, torch.Tensor]] = {}
+    plain: list[torch.Tensor] = []
+    by_mesh: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh, list[torch.Tensor]]] = {}
     seen: set[int] = set()
     for p in params:
         if id(p) in seen or p.grad is None:
@@ -147,19 +151,40 @@ def grad_norm_sq(params: Iterable[torch.Tensor]) -> float:
         seen.add(id(p))
         g = p.grad
         if not isinstance(g, DTensor):
-            plain += g.detach().double().pow(2).sum().cpu()
+            plain.append(g.detach())
             continue
         if any(pl.is_partial() for pl in g.placements):
             g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
-        local = g.to_local().detach().double().pow(2).sum()
         # every mesh dim that splits the tensor: Shard, and FSDP2's _StridedShard (dp over tp), which is no Shard
         dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
         key = (id(g.device_mesh), dims)
-        mesh, acc = by_mesh.get(key, (g.device_mesh, torch.zeros((), dtype=torch.float64, device=local.device)))
-        by_mesh[key] = (mesh, acc + local)
-    total = plain
-    for (_, dims), (mesh, acc) in by_mesh.items():
+        by_mesh.setdefault(key, (g.device_mesh, []))[1].append(g.to_local().detach())
+    first = plain[0] if plain else next((ts[0] for _, ts in by_mesh.values()), None)
+    out_device = torch.device(device) if device is not None else (first.device if first is not None else "cpu")
+    total = _sum_of_squares(plain, out_device)
+    for (_, dims), (mesh, shards) in by_mesh.items():
+        acc = _sum_of_squares(shards, shards[0].device)
         for d in dims:
             dist.all_reduce(acc, group=mesh.get_group(d))
-        total = total + acc.cpu()
-    return float(total)
+        total = total + acc.to(out_device)
+    return total
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """sum_i ||t_i||^2 in float64 on ``device``: one fused norm over the list, one sum."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+    return torch.stack([n.to(device) for n in norms]).square().sum()
+
+
+def scale_grads(grads: list[torch.Tensor], coef: float | torch.Tensor) -> None:
+    """Multiply gradients (plain or DTensor: their local shards) in place by ``coef`` (a host float, or a scalar
+    on the gradients' device): one fused ``torch._foreach_mul_`` per device, no host read."""
+    local = [local_tensor(g) for g in grads]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in local:
+        by_device.setdefault(t.device, []).append(t)
+    for dev, ts in by_device.items():
+        c = coef.to(dev) if isinstance(coef, torch.Tensor) else coef
+        torch._foreach_mul_(ts, c)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import shlex
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,16 +58,20 @@ def run_plan(args: Any) -> int:
     limit = args.gpu_memory_gb or dev.memory_gb
     tokens = [int(x) for x in str(args.vision_tokens).split(",") if x]
     strategies = tuple(s for s in (args.strategies or ",".join(STRATEGIES)).split(",") if s)
-    rows = plan(model_cfg, args.gpus, dev, limit, tokens, args.text_tokens, args.micro_batch_size, strategies)
+    precision = getattr(args, "precision", "fp32_master")
+    with Heartbeat(f"{args.model} on {args.gpus} GPUs: measuring every layout by fake runs of the real code "
+                   f"({', '.join(strategies)}; vision tokens {', '.join(map(str, tokens))})"):
+        rows = plan(model_cfg, args.gpus, dev, limit, tokens, args.text_tokens, args.micro_batch_size, strategies,
+                    precision=precision)
     fitting = [r for r in rows if r.fits]
     rec = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
     print(f"{args.model} on {args.gpus} x {dev.name} ({limit:g} GB), efficiency {dev.efficiency:.0%} of "
           f"{dev.peak_bf16_tflops:g} TFLOP/s; {args.text_tokens} text tokens + one image per sample, "
-          f"{args.micro_batch_size} sample(s) per micro-batch")
+          f"{args.micro_batch_size} sample(s) per micro-batch; precision {precision}")
     print(table(rows, limit))
     if rec is not None:
         print(f"\nfastest that fits: {rec.strategy} at {rec.vision_tokens} vision tokens, "
-              f"{rec.tokens_per_s:.0f} tokens/s\n  dhp train " + " ".join(rec.overrides()))
+              f"{rec.tokens_per_s:.0f} tokens/s\n  " + train_command(args.model, rec))
     else:
         print("\nno layout fits")
     if args.json:
@@ -73,6 +81,44 @@ def run_plan(args: Any) -> int:
     if args.plot:
         plot(rows, limit, args.plot)
     return 0
+
+
+def train_command(model: str, row: Row) -> str:
+    """The ``dhp train`` line that runs ``row`` as printed: the Ray backend, the model, the row's layout (data,
+    output and the rest of the config are the user's to add)."""
+    p = Path(model)
+    if p.is_file():  # a bare config.json: the checkpoint directory that holds it, weights and tokenizer
+        p = p.parent
+    what = f"model.hf_path={shlex.quote(str(p))}" if p.is_dir() else f"model.preset={model}"
+    return " ".join(["dhp train", "runtime.backend=ray", what, *row.overrides()])
+
+
+class Heartbeat:
+    """A line on stderr when a long phase starts, one every ``every_s`` while it runs, and its time at the end:
+    a plan of a large model measures for minutes, and a silent terminal looks hung."""
+
+    def __init__(self, what: str, every_s: float = 30.0) -> None:
+        self.what, self.every_s = what, every_s
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Heartbeat:
+        self.start = time.perf_counter()
+        print(f"dhp: plan: {self.what}; this can take minutes", file=sys.stderr, flush=True)
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.every_s):
+            print(f"dhp: plan: still measuring, {time.perf_counter() - self.start:.0f} s", file=sys.stderr,
+                  flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+        print(f"dhp: plan: measured in {time.perf_counter() - self.start:.0f} s", file=sys.stderr, flush=True)
 
 
 def plot(rows: list[Row], limit: float, path: str) -> None:

@@ -52,6 +52,7 @@ class GroupJob:
     micro_batch_size: int = 1
     device: str = "cuda"  # the engine's decisions follow this device type (FSDP2 bf16 policy on cuda)
     dtype: str = "bfloat16"
+    precision: str = "fp32_master"  # train.precision: fp32_master | bf16 | bf16_plain (docs/memory.md)
     optimizer: str = "adamw"
     loss_chunk_tokens: int | None = None  # train.loss_chunk_tokens; None: the trainer's default
     static: bool = False  # build, gradients and optimizer state only: no forward (closed-form checks)
@@ -184,6 +185,7 @@ def _config(job: GroupJob) -> Any:
 
     cfg = Config()
     cfg.train.dtype = job.dtype
+    cfg.train.precision = job.precision
     cfg.train.optimizer = job.optimizer
     if job.loss_chunk_tokens is not None:
         cfg.train.loss_chunk_tokens = job.loss_chunk_tokens
@@ -222,14 +224,8 @@ def _engine_build(eng: Any, fsdp_mesh: Any, device_type: str) -> Any:
     with torch.device("cpu"):
         eng.module = spec.build(eng.model_cfg)
     eng._set_loss_chunking()
-    eng.amp = cfg.train.dtype == "bfloat16"
+    policy = eng._set_precision(device_type)  # train.dtype / train.precision as the engine resolves them there
     eng._set_trainable()
-    policy = None
-    if eng.fsdp and eng.amp and device_type == "cuda":
-        from dhp.parallel.sharding import mixed_precision_policy
-
-        policy = mixed_precision_policy(torch.bfloat16)
-        eng.amp = False
     opts = ParallelizeOptions(activation_checkpointing=eng.mcfg.activation_checkpointing, fsdp_mesh=fsdp_mesh,
                               mp_policy=policy, sequence_parallel=eng.mcfg.parallel.sequence_parallel)
     spec.parallelize(eng.module, eng.par, opts)

@@ -61,7 +61,7 @@ class Row:
             f"vision.activation_checkpointing={str(v.activation_checkpointing).lower()}",
             f"text.activation_checkpointing={str(t.activation_checkpointing).lower()}",
             f"runtime.placement={self.placement}",
-        ]
+        ] + ([f"train.precision={t.precision}"] if t.precision != "fp32_master" else [])
 
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": self.strategy, "overrides": self.overrides(), "vision_tokens": self.vision_tokens,
@@ -74,7 +74,8 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 
 def candidate_rows(model_cfg: Any, gpus: int, vision_tokens: list[int], text_tokens: int, mbs: int,
-                   strategies: tuple[str, ...] = STRATEGIES, device: str = "cuda") -> list[Row]:
+                   strategies: tuple[str, ...] = STRATEGIES, device: str = "cuda",
+                   precision: str = "fp32_master") -> list[Row]:
     heads, kv = model_cfg.vision.num_heads, model_cfg.text.num_key_value_heads
     # uniform TP: one degree for both modules, dividing the vision heads and MLP width (72B's 3420 is not a
     # multiple of 8: its encoder's column shards would be uneven) and the text key/value heads
@@ -82,7 +83,7 @@ def candidate_rows(model_cfg: Any, gpus: int, vision_tokens: list[int], text_tok
            if heads % t == 0 and kv % t == 0 and model_cfg.vision.intermediate_size % t == 0]
     tp = max(tps)  # uniform TP
     text_tp = max(t for t in _divisors(gpus, 8) if kv % t == 0)  # dhp: the text side's own degree
-    base = dict(text_tokens=text_tokens, micro_batch_size=mbs, device=device)
+    base = dict(text_tokens=text_tokens, micro_batch_size=mbs, device=device, precision=precision)
     rows = []
     for T in vision_tokens:
         for ac in (False, True):
@@ -250,7 +251,10 @@ def best(rows: list[Row]) -> list[Row]:
 
 
 def plan(model_cfg: Any, gpus: int, dev: Device, limit_gb: float, vision_tokens: list[int], text_tokens: int,
-         mbs: int, strategies: tuple[str, ...] = STRATEGIES, workers: int | None = None) -> list[Row]:
-    rows = candidate_rows(model_cfg, gpus, vision_tokens, text_tokens, mbs, strategies)
+         mbs: int, strategies: tuple[str, ...] = STRATEGIES, workers: int | None = None,
+         precision: str = "fp32_master") -> list[Row]:
+    """Every candidate row measured and priced; ``precision`` (``train.precision``) is what every group's
+    weights, gradients and optimizer state are held in."""
+    rows = candidate_rows(model_cfg, gpus, vision_tokens, text_tokens, mbs, strategies, precision=precision)
     results = measure_all([j for r in rows for j in r.jobs.values()], model_cfg, workers)
     return best([evaluate(r, results, dev, gpus, limit_gb, text_tokens) for r in rows])

@@ -8,7 +8,8 @@ and transport choice), ``errors`` (``WorkerError``), ``dispatch`` (how calls
 split over ranks and how results are collected), ``placement`` and ``mesh``
 (where workers run, how a group's ranks form replicas), ``worker_base`` (the
 worker side), ``worker_group`` and ``binding`` (the driver side of one module),
-``process_groups`` (torch groups across modules), ``runtime`` (the lifecycle).
+``process_groups`` (torch groups across modules), ``data_plane`` (the worker side of moving embeddings and
+gradients between groups: point to point, CUDA IPC), ``runtime`` (the lifecycle).
 """
 
 from dhp.runtime.binding import BoundMethod, Pending

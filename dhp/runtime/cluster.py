@@ -21,7 +21,9 @@ from typing import Any, Literal
 
 import ray
 
-Transport = Literal["auto", "direct", "object_store"]
+Transport = Literal["auto", "p2p", "cuda_ipc", "direct", "object_store"]
+TRANSPORTS = ("auto", "p2p", "cuda_ipc", "direct", "object_store")
+DataPlane = Literal["p2p", "cuda_ipc", "ray"]  # how embeddings and their gradients move between groups
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -77,9 +79,53 @@ def node_ip_address() -> str:
     return ray.util.get_node_ip_address()
 
 
+def cluster_gpus(address: str | None = None) -> float:
+    """The GPUs the Ray cluster a run would use has: Ray's own count once Ray is up (or joined, for an address
+    or RAY_ADDRESS); for a local Ray yet to start, the devices torch sees here (what Ray would detect)."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if not ray.is_initialized() and address is None:
+        import torch
+
+        return float(torch.cuda.device_count()) if torch.cuda.is_available() else 0.0
+    start_ray(address)
+    return float(ray.cluster_resources().get("GPU", 0.0))
+
+
 def choose_backend(gpus_per_worker: float) -> str:
     """The collective backend of the module groups: NCCL when workers hold GPUs, gloo otherwise."""
     return "nccl" if gpus_per_worker > 0 else "gloo"
+
+
+def check_transport(transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"runtime.transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+
+
+def resolve_data_plane(transport: Transport, placement: str, backend: str, gpus_per_worker: float) -> DataPlane:
+    """How embeddings and their gradients move between the module groups.
+
+    ``p2p``: torch.distributed point-to-point (``batch_isend_irecv``) between the sending and the receiving
+    ranks, over process groups that span all of them (NCCL between GPUs, gloo on CPU); the driver passes
+    only small metadata (``dhp.runtime.data_plane``). ``cuda_ipc``: workers that share a GPU hand each other
+    CUDA IPC handles (with the producer's event) through Ray; the tensors never leave the device.
+    ``ray``: the tensors themselves go through Ray (its object store, or Ray Direct Transport).
+
+    ``auto``: p2p between disaggregated workers (whole GPUs, or CPU processes over gloo, so CI runs the
+    GPU data plane's logic); CUDA IPC where workers share a GPU (collocated on CUDA, or fractional GPUs, where one
+    NCCL communicator cannot hold two ranks of one device); the object store for collocated CPU workers.
+    """
+    check_transport(transport)
+    shares_gpu = backend == "nccl" and (placement == "collocated" or 0 < gpus_per_worker < 1)
+    if transport == "auto":
+        if shares_gpu:
+            return "cuda_ipc"
+        return "p2p" if placement == "disaggregated" else "ray"
+    if transport == "cuda_ipc" and backend != "nccl":
+        raise ValueError("runtime.transport=cuda_ipc needs workers on CUDA devices (runtime.gpus_per_worker > 0)")
+    if transport == "p2p" and shares_gpu:
+        raise ValueError("runtime.transport=p2p: NCCL cannot join two ranks of one GPU; workers that share a GPU "
+                         "use runtime.transport=cuda_ipc (or auto)")
+    return transport if transport in ("p2p", "cuda_ipc") else "ray"
 
 
 def resolve_transport(transport: Transport, backend: str, gpus_per_worker: float) -> str | None:
@@ -91,10 +137,9 @@ def resolve_transport(transport: Transport, backend: str, gpus_per_worker: float
     and where workers share a GPU (collocated, fractional GPUs), because one NCCL
     communicator cannot hold two ranks on one device. "direct" forces RDT.
     """
-    if transport not in ("auto", "direct", "object_store"):
-        raise ValueError(f"runtime.transport must be auto, direct or object_store, got {transport!r}")
-    if transport == "object_store":
-        return None
+    check_transport(transport)
+    if transport in ("object_store", "p2p", "cuda_ipc"):  # no Ray Direct Transport: the object store carries
+        return None  # whatever still goes through Ray (the driver's metadata; cuda_ipc's small handles)
     if transport == "auto" and (backend != "nccl" or 0 < gpus_per_worker < 1):
         return None
     return "NCCL" if backend == "nccl" else "GLOO"
@@ -103,7 +148,10 @@ def resolve_transport(transport: Transport, backend: str, gpus_per_worker: float
 __all__ = [
     "LOOPBACK",
     "Transport",
+    "DataPlane",
     "choose_backend",
+    "resolve_data_plane",
+    "cluster_gpus",
     "init_local_ray",
     "node_ip_address",
     "resolve_transport",

@@ -10,6 +10,7 @@ anything, and the placement group wait has a deadline instead of hanging.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -110,6 +111,37 @@ def _disaggregated(sizes: dict[str, int], cpus: float, gpus: float) -> Placement
             res[(m, r)] = ActorResources(cpus, gpus)
             bundles.append(_bundle(cpus, gpus))
     return PlacementPlan("disaggregated", dict(sizes), bundles, bundle_of, res)
+
+
+def device_slots(placement: Placement, sizes: dict[str, int]) -> int:
+    """Bundles that hold a device under ``placement``: collocated ranks i of every module share one."""
+    return max(sizes.values()) if placement == "collocated" else sum(sizes.values())
+
+
+def decide_gpus_per_worker(requested: float | str, placement: Placement, sizes: dict[str, int],
+                           cluster_gpus: float) -> float:
+    """The GPUs each bundle asks for: ``requested`` as given when a number; for ``"auto"`` the cluster decides.
+
+    auto: no GPU in the cluster: 0 (CPU, gloo). At least one GPU per bundle: 1 (each worker its own device,
+    NCCL). Fewer GPUs than bundles: a share of a GPU per bundle, only when every module group has one rank (so
+    no NCCL communicator holds two ranks on one device, which NCCL cannot do); otherwise ``LayoutError`` naming
+    what was asked, what there is, and the fixes."""
+    if requested != "auto":
+        return float(requested)
+    if cluster_gpus <= 0:
+        return 0.0
+    slots = device_slots(placement, sizes)
+    if cluster_gpus + 1e-9 >= slots:
+        return 1.0
+    if all(n == 1 for n in sizes.values()):
+        share = math.ceil(slots / cluster_gpus)
+        return 1.0 / share
+    layout = ", ".join(f"{m}×{n}" for m, n in sizes.items())
+    raise LayoutError(
+        f"runtime.gpus_per_worker=auto: the layout ({placement}: {layout}) needs {slots} GPUs, one per "
+        f"{'rank i of the groups' if placement == 'collocated' else 'worker'}, but the Ray cluster has "
+        f"{cluster_gpus:g}; lower the group sizes, use runtime.placement=collocated, or set "
+        "runtime.gpus_per_worker=0 to train on CPU")
 
 
 def check_fits(plan: PlacementPlan, cluster: dict[str, float], node_totals: list[dict[str, float]]) -> None:

@@ -12,6 +12,9 @@ to the node's Ray IP, and Ray's collective then adopts it rather than
 rendezvousing on a store that listens on every interface. On GPU each module
 keeps its own NCCL default group (Ray's NCCL communicator is separate), which is
 what the backend choice (``dhp.runtime.cluster.choose_backend``) encodes.
+The point-to-point data plane (``dhp.runtime.data_plane``) needs groups that
+span the sending and the receiving ranks: with it, GPU workers share one NCCL
+world too, and every actor makes one more group per direction over all actors.
 Works for any number of groups, of any sizes.
 """
 
@@ -23,23 +26,26 @@ from typing import Any
 
 from ray.exceptions import RayTaskError
 
-from dhp.runtime.cluster import Transport, resolve_transport
+from dhp.runtime.cluster import DataPlane, Transport, resolve_data_plane, resolve_transport
 from dhp.runtime.errors import WorkerError
 from dhp.runtime.worker_group import WorkerGroup
 
 
 @dataclass
 class DistributedSetup:
-    """What ``init_process_groups`` made: the backend, the RDT transport and the Ray collective (if any)."""
+    """What ``init_process_groups`` made: the backend, the RDT transport, the Ray collective (if any) and the
+    data plane between the groups."""
 
     backend: str
     tensor_transport: str | None
     collective: Any = None
+    data_plane: DataPlane = "ray"
     coordinates: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 def init_process_groups(
-    groups: Sequence[WorkerGroup], backend: str, transport: Transport = "auto", gpus_per_worker: float = 0.0
+    groups: Sequence[WorkerGroup], backend: str, transport: Transport = "auto", gpus_per_worker: float = 0.0,
+    placement: str = "collocated",
 ) -> DistributedSetup:
     """Gives every group its process group and sets up tensor transport between groups.
 
@@ -47,21 +53,33 @@ def init_process_groups(
     Ray collective group (torch_gloo) on it; then every actor creates every
     module's subgroup in the same order. nccl (GPU): each module gets its own
     NCCL default group; if tensors go by RDT, a Ray NCCL collective (a separate
-    communicator) spans all actors.
+    communicator) spans all actors; with the point-to-point data plane, one
+    NCCL world over all actors instead, module groups as its subgroups (as on gloo).
+    With the p2p data plane (``resolve_data_plane``), every actor then makes its two groups
+    (``WorkerBase.dhp_init_data_plane``).
     """
-    tensor_transport = resolve_transport(transport, backend, gpus_per_worker)
+    data_plane = resolve_data_plane(transport, placement, backend, gpus_per_worker)
+    tensor_transport = resolve_transport(transport, backend, gpus_per_worker) if data_plane == "ray" else None
     actors = [a for g in groups for a in g.actors]
-    setup = DistributedSetup(backend, tensor_transport)
+    setup = DistributedSetup(backend, tensor_transport, data_plane=data_plane)
     if backend == "gloo":
         _init_shared_world(groups, "gloo")
         setup.collective = _create_collective(actors, "torch_gloo")
-        _setup_shared_world(groups)
+        _setup_shared_world(groups, "gloo")
+    elif data_plane == "p2p":
+        _init_shared_world(groups, backend)
+        _setup_shared_world(groups, backend)
     else:
         _setup_module_worlds(groups, backend)
         if tensor_transport is not None:
             setup.collective = _create_collective(actors, tensor_transport.lower())
+    if data_plane == "p2p":
+        refs = {g.module: [a.dhp_init_data_plane.remote(backend) for a in g.actors] for g in groups}
+        for g in groups:
+            g.get("dhp_init_data_plane", refs[g.module])
     for g in groups:
         g.tensor_transport = tensor_transport
+        g.data_plane = data_plane
         setup.coordinates[g.module] = g.get("setup_distributed", [a.dhp_coordinates.remote() for a in g.actors])
     return setup
 
@@ -97,9 +115,9 @@ def _create_collective(actors: list[Any], backend: str) -> Any:
         raise WorkerError("collective", -1, "create_collective_group", str(e)) from None
 
 
-def _setup_shared_world(groups: Sequence[WorkerGroup]) -> None:
+def _setup_shared_world(groups: Sequence[WorkerGroup], backend: str) -> None:
     ranks = module_ranks(groups)
-    refs = {g.module: [a.setup_distributed.remote("gloo", ranks) for a in g.actors] for g in groups}
+    refs = {g.module: [a.setup_distributed.remote(backend, ranks) for a in g.actors] for g in groups}
     for g in groups:
         g.get("setup_distributed", refs[g.module])
 

@@ -86,7 +86,7 @@ class Runtime:
                     self.plan.actor_resources, self.run_id, replica_size=spec.replica_size,
                 )
             self.setup = init_process_groups(list(self.groups.values()), self.backend, self.transport,
-                                             self.gpus_per_worker)
+                                             self.gpus_per_worker, self.plan.placement)
         except BaseException:
             self.shutdown()
             raise

@@ -65,6 +65,8 @@ class WorkerBase:
     world_size: int = 1
     global_rank: int = 0
     global_world_size: int = 1
+    module_world: bool = False  # True: the default group is this module's own; False: one world, subgroups
+    data_plane_groups: dict[str, Any] | None = None  # the p2p data plane's groups by direction (over all actors)
     _dhp_store_socket: socket.socket | None = None
 
     def dhp_bind(self, module: str, rank: int, n_ranks: int) -> None:
@@ -94,10 +96,33 @@ class WorkerBase:
         """
         import torch.distributed as dist
 
-        self._keep_gloo_local(master[0])
+        extra: dict[str, Any] = {}
+        if backend == "nccl":  # one world over GPU workers (the p2p data plane): eager NCCL init on this device
+            import torch
+
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+            extra["device_id"] = torch.device("cuda", 0)
+        else:
+            self._keep_gloo_local(master[0])
         store = self._store(master, rank, world_size)
         dist.init_process_group(backend, store=store, world_size=world_size, rank=rank,
-                                timeout=self.collective_timeout())
+                                timeout=self.collective_timeout(), **extra)
+
+    def dhp_init_data_plane(self, backend: str) -> None:
+        """The point-to-point data plane's process groups over every actor, one per direction
+        (``dhp.runtime.data_plane``); collective: every actor calls it, in the same order, after the module
+        groups. A one-element all-reduce on each makes every rank connect now, not in the first step."""
+        import torch
+        import torch.distributed as dist
+
+        from dhp.runtime.data_plane import DIRECTIONS
+
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.data_plane_groups = {}
+        for direction in DIRECTIONS:
+            group = dist.new_group(backend=backend, timeout=self.collective_timeout())
+            dist.all_reduce(torch.ones(1, device=device), group=group)
+            self.data_plane_groups[direction] = group
 
     def collective_timeout(self) -> timedelta | None:
         """How long a collective may wait before it fails (``collective_timeout_s`` of the worker; None: torch's)."""
@@ -157,6 +182,7 @@ class WorkerBase:
         dist.init_process_group(backend, store=store, world_size=self.n_ranks, rank=self.rank,
                                 timeout=self.collective_timeout())
         self.pg = dist.group.WORLD
+        self.module_world = True  # this module's own default group (module-local ranks)
         self._set_coordinates(dist)
 
     def _init_subgroups(self, dist: Any, backend: str, module_ranks: Sequence[tuple[str, list[int]]]) -> None:

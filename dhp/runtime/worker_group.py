@@ -94,6 +94,7 @@ class WorkerGroup:
         self.worker_cls, self.module, self.n_ranks = worker_cls, module, n_ranks
         self.replica_size = replica_size
         self.tensor_transport: str | None = None  # set by init_process_groups
+        self.data_plane = "ray"  # p2p | cuda_ipc | ray: set by init_process_groups
         self.run_id = run_id or uuid.uuid4().hex[:8]
         remote_cls = ray.remote(enable_tensor_transport=True)(worker_cls)
         self.actors = [

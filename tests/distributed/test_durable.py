@@ -162,6 +162,6 @@ def test_sigterm_leaves_a_checkpoint_that_resumes(base, tmp_path):
     assert found is not None
     step = found[1]["step"]
     assert step == len(metrics.read_text().splitlines()) >= 2
-    summary = run(base + LAYOUTS["local"], out, f"train.steps={step + 1}")
+    summary = run(base + LAYOUTS["local"], out, f"train.steps={step + 1}", "train.resume_changes=allow")
     assert summary["last_checkpoint"].endswith(f"step_{step + 1:06d}")
     assert len(metrics.read_text().splitlines()) == step + 1

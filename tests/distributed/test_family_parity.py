@@ -25,7 +25,7 @@ def test_three_groups_match_the_reference_on_every_replica(ray_cluster, audio_ov
     reference = run_steps(audio_overrides + ["runtime.backend=local"])
     stats, state, _ = run_steps(audio_overrides + [
         "runtime.backend=ray", "runtime.placement=disaggregated", "vision.parallel.sp=2",
-        "audio.parallel.dp=2", "text.parallel.tp=2",
+        "audio.parallel.dp=2", "text.parallel.tp=2", "runtime.count_collectives=true",  # it reads comm_bytes
     ])
     assert_matches_reference(stats, state, reference)
     assert stats[0].timings["audio_forward"] > 0 and stats[0].timings["audio_backward"] > 0

@@ -34,7 +34,9 @@ def test_trace_shows_vision_ahead_and_tensorboard_has_every_loss(ray_cluster, de
     assert {(e["module"], e["rank"]) for e in events} == {("driver", 0), ("vision", 0), ("text", 0)}
     work = [e for e in events if e["module"] != "driver"]
     assert {e["name"] for e in work} <= set(PHASES)
-    assert {"forward", "emit", "forward_backward", "backward", "reduce", "optimizer"} <= {e["name"] for e in work}
+    # disaggregated: the p2p data plane (no emit through Ray; its waits are router_wait), the loader's rounds
+    assert {"load", "forward", "router_wait", "forward_backward", "backward", "reduce", "optimizer"} <= {
+        e["name"] for e in work}
     assert {e["args"]["step"] for e in events} == {2, 3}
     # vision forward of round k+1 runs under the text step of round k (encoders_ahead=1, separate workers)
     ahead = [(v, t) for v in work if v["module"] == "vision" and v["name"] == "forward"

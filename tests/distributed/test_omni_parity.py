@@ -27,6 +27,9 @@ def omni_run(omni_demo_data, tmp_path_factory):
     return common, run_steps(common + ["runtime.backend=local"])
 
 
+COUNTED = ["runtime.count_collectives=true"]  # these tests read the collective bytes (off in a plain step)
+
+
 def _assert_same(stats, state, reference) -> None:
     assert_matches_reference(stats, state, reference)
     assert set(stats[0].imbalance) == {"vision", "audio", "text"}
@@ -34,7 +37,7 @@ def _assert_same(stats, state, reference) -> None:
 
 def test_three_groups_disaggregated(ray_cluster, omni_run):
     common, reference = omni_run
-    stats, state, _ = run_steps(common + ["runtime.backend=ray", "runtime.placement=disaggregated",
+    stats, state, _ = run_steps(common + COUNTED + ["runtime.backend=ray", "runtime.placement=disaggregated",
                                           "vision.parallel.sp=2", "audio.parallel.dp=2", "text.parallel.tp=2"])
     _assert_same(stats, state, reference)
     assert [len(state[m]) for m in ("vision", "audio", "text")] == [2, 2, 2]
@@ -44,7 +47,7 @@ def test_three_groups_disaggregated(ray_cluster, omni_run):
 
 def test_three_groups_collocated_with_audio_sequence_parallel(ray_cluster, omni_run):
     common, reference = omni_run
-    stats, state, _ = run_steps(common + ["runtime.backend=ray", "runtime.placement=collocated",
+    stats, state, _ = run_steps(common + COUNTED + ["runtime.backend=ray", "runtime.placement=collocated",
                                           "vision.parallel.dp=1", "audio.parallel.sp=2", "text.parallel.tp=2"])
     _assert_same(stats, state, reference)
     assert [len(state[m]) for m in ("vision", "audio", "text")] == [1, 2, 2]
@@ -56,7 +59,7 @@ def test_audio_sequence_parallel_with_fsdp_and_checkpointing(ray_cluster, omni_r
     """Audio SP 2 with ZeRO-3 (FSDP2 over the SP ranks, which gather in lockstep even on a rank with no chunk)
     and activation checkpointing: the same losses and weights."""
     common, reference = omni_run
-    stats, state, _ = run_steps(common + ["runtime.backend=ray", "runtime.placement=disaggregated",
+    stats, state, _ = run_steps(common + COUNTED + ["runtime.backend=ray", "runtime.placement=disaggregated",
                                           "vision.parallel.dp=1", "audio.parallel.sp=2", "audio.parallel.zero=3",
                                           "audio.activation_checkpointing=true", "text.parallel.dp=1"])
     _assert_same(stats, state, reference)

@@ -117,6 +117,7 @@ def test_adamw_losses_match_reference(ray_cluster, demo_overrides_module):
     ref = run(demo_overrides_module + adam, "local")
     got = run(demo_overrides_module + adam + ["vision.parallel.dp=2", "text.parallel.dp=2"], "ray")
     assert [s.loss for s in got[0]] == pytest.approx([s.loss for s in ref[0]], rel=1e-5)
+    assert all(s.comm_bytes == {} for s in got[0])  # a plain step: the comm counter (a dispatch mode) is off
 
 
 # ---- per-module parallelism (Ulysses SP, TP, ZeRO) and the uniform baselines -------------------------------
@@ -196,7 +197,8 @@ def mixed_data(demo_data, tmp_path_factory):
 def test_comm_counter_per_group(ray_cluster, demo_overrides_module):
     """Per-step collective bytes per group: Ulysses all-to-all only in the vision group (full-attention blocks),
     TP all-reduces in the text group, and gradient all-reduces where ranks hold partial sums."""
-    over = demo_overrides_module + SGD + ["vision.parallel.sp=2", "text.parallel.tp=2"]
+    over = demo_overrides_module + SGD + ["vision.parallel.sp=2", "text.parallel.tp=2",
+                                          "runtime.count_collectives=true"]  # as dhp bench asks
     stats, _, _ = run(over, "ray")
     comm = stats[0].comm_bytes
     assert comm["vision_all_to_all"] > 0 and "text_all_to_all" not in comm

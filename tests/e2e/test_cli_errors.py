@@ -92,6 +92,7 @@ def test_user_mistake_is_one_line(name, demo_data, tmp_path, base, capsys, monke
     assert all(line.startswith("  ") for line in err.splitlines()[1:]), err  # details indented under it
     if name == "on_error=skip leaving no sample":  # the first problems are listed
         assert "sample 0: empty conversation" in err and "not valid JSON" in err
+        assert "(samples are numbered from 0, in file order)" in first  # the numbering is stated
     if name == "data demo into a non-empty folder":
         assert (tmp_path / "demo_out" / "mine.txt").read_text() == "keep me"
         assert not (tmp_path / "demo_out" / "train.jsonl").exists()

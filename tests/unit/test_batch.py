@@ -88,3 +88,21 @@ def test_packed_loss_equals_sum_of_sample_losses() -> None:
         crossing = model.language.loss_sum(b.input_ids, b.position_ids, b.targets,
                                            model.visual(b.pixel_values, b.image_grid_thw), None)
     assert not torch.allclose(crossing, total, rtol=1e-5, atol=1e-4)
+
+
+def test_batch_meta_is_host_metadata_of_the_packed_row():
+    """``Batch.meta``: the sample boundaries, every placeholder's positions and the supervised rows of the packed
+    row, as the model would find them on the device; only from host tensors (before ``to(device)``)."""
+    import pytest
+
+    b = pack(SAMPLES)
+    meta = b.meta([CFG.image_token_id, CFG.video_token_id])
+    assert meta.cu_seqlens == tuple(b.cu_seqlens.tolist()) and meta.cu_seqlens[-1] == b.num_tokens
+    flat = b.input_ids.reshape(-1)
+    assert torch.equal(meta.placeholders[CFG.image_token_id], torch.nonzero(flat == CFG.image_token_id).flatten())
+    assert meta.placeholders[CFG.image_token_id].numel() == sum(s.num_image_tokens for s in SAMPLES) == 24 + 4 + 15
+    assert meta.placeholders[CFG.video_token_id].numel() == 0
+    assert torch.equal(b.targets.reshape(-1)[meta.label_rows], b.targets[b.targets != IGNORE_INDEX])
+    assert meta.num_supervised == b.num_supervised
+    with pytest.raises(ValueError, match="before Batch.to"):
+        b.to("meta").meta()

@@ -109,3 +109,70 @@ def test_tensor_parallel_and_plain_all_reduce_bytes():
     for res in run_distributed(_tp_linear, 2):
         assert res["bytes"] == {"all_reduce": 4 * (5 * 8 + 5 * 8 + 10)}
         assert res["calls"] == {"all_reduce": 3}
+
+
+def _bf16_text_tp_sp(rank: int, world: int) -> dict:
+    """One bf16 step of the tiny language model under TP 2 with Megatron SP: the decoder's forward and backward
+    (float32 master weights under autocast, then pure bf16 parameters), and the vocab-parallel loss apart."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from dhp.engine import cast_parameters
+    from dhp.models.qwen2_5_vl import build_model
+    from dhp.models.qwen2_5_vl.parallelize import parallelize_text
+    from tests.unit.test_tensor_parallel import text_cfg, text_inputs
+
+    out = {}
+    for policy in ("fp32_master", "bf16"):
+        cfg = text_cfg()
+        text = build_model(cfg, seed=0).language
+        if policy == "bf16":
+            cast_parameters(text, torch.bfloat16)
+        parallelize_text(text, DeviceMesh("cpu", list(range(world))), sequence_parallel=True)
+        x = text_inputs(cfg)
+        args = (x["input_ids"], x["position_ids"], x["image_embeds"], x["cu_seqlens"])
+        decoder, loss = CommCounter(), CommCounter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with decoder:
+                hidden = text.hidden_states(*args)  # [1, T/tp, D]: this rank's sequence shard
+                hidden.float().square().sum().backward()
+            with loss:
+                text.loss_sum(x["input_ids"], x["position_ids"], x["targets"], *args[2:]).backward()
+        out[policy] = {"hidden": str(hidden.dtype), "decoder": dict(decoder.dtypes), "loss": dict(loss.dtypes),
+                       "n_norms": sum(1 for n, _ in text.named_parameters() if "norm" in n)}
+    return out
+
+
+def test_bf16_text_tp_sp_collectives_carry_bf16():
+    """Every collective of the decoder's forward and backward (the embedding's all-reduce, Megatron SP's
+    all-gathers and reduce-scatters, activation gradients) carries bfloat16. What stays float32 is by design:
+    the norms' gradient all-reduce when the master weights are float32 (one per norm weight), and the
+    vocab-parallel loss's float32 log-sum-exp pieces. With pure bf16 parameters the gradients are bf16 too."""
+    for res in run_distributed(_bf16_text_tp_sp, 2):
+        master, pure = res["fp32_master"], res["bf16"]
+        assert master["hidden"] == pure["hidden"] == "torch.bfloat16"
+        kinds = {kind for kind, _ in master["decoder"]}
+        assert {"all_reduce", "all_gather", "reduce_scatter"} <= kinds, master["decoder"]
+        fp32 = {k: n for k, n in master["decoder"].items() if k[1] != "bfloat16"}
+        assert fp32 == {("all_reduce", "float32"): master["n_norms"]}, master["decoder"]
+        assert {dt for _, dt in pure["decoder"]} == {"bfloat16"}, pure["decoder"]
+        assert sum(pure["decoder"].values()) == sum(master["decoder"].values())
+        assert {dt for _, dt in master["loss"]} <= {"bfloat16", "float32", "int64"}, master["loss"]
+
+
+def test_workers_count_collectives_only_where_asked():
+    """A plain ``dhp train`` step runs no dispatch mode in a worker (every aten op would pass through Python);
+    ``runtime.count_collectives=true`` (``dhp bench`` sets it) puts the counter around the worker's calls."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from dhp.backends.ray_workers import LanguageWorker
+    from dhp.config import load_config
+
+    seen = {}
+    for flag in (False, True):
+        worker = LanguageWorker()
+        worker._set_counting({"cfg": load_config(None, [f"runtime.count_collectives={str(flag).lower()}"])})
+        with worker.counting():
+            seen[flag] = _get_current_dispatch_mode()
+    assert seen[False] is None
+    assert isinstance(seen[True], CommCounter)
+    assert load_config(None, []).runtime.count_collectives is False  # off by default

@@ -46,7 +46,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     counter = CommCounter()
     with counter:
         loss = summed_loss(text, text_inputs(cfg))
-    norm_sq = grad_norm_sq(text.parameters())
+    norm_sq = float(grad_norm_sq(text.parameters()))
     placements = {str(p.grad.placements) for p in text.parameters()}
     layers = list(text.layers)
     prefetch = [([layers.index(s._modules[0]) for s in layer._get_fsdp_state()._states_to_forward_prefetch],
@@ -65,7 +65,7 @@ def test_fsdp_over_tp_keeps_grads_and_norm(sharded: list[dict[str, Any]]) -> Non
     cfg = text_cfg()
     ref = build_model(cfg, seed=0).language
     loss = summed_loss(ref, text_inputs(cfg))
-    ref_norm_sq = grad_norm_sq(ref.parameters())
+    ref_norm_sq = float(grad_norm_sq(ref.parameters()))
     assert any("_StridedShard" in p for p in sharded[0]["placements"])  # the 2D case is really exercised
     layers = cfg.text.num_hidden_layers
     for r in sharded:

@@ -108,3 +108,43 @@ def test_the_setting_reaches_the_language_module_and_is_checked():
     assert load_config(None, []).train.loss_chunk_tokens > 0  # on by default
     with pytest.raises(Exception, match="train.loss_chunk_tokens"):
         load_config(None, ["train.loss_chunk_tokens=-1"])
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_loss_over_labelled_rows_equals_the_loss_over_all_rows(chunk):
+    """With the batch's host metadata (``PackedMeta``) only the supervised rows go through ``lm_head`` (whole or
+    chunked), and the placeholders are filled at host positions: the same loss and gradients (embeddings'
+    included) as every row through the head and placeholders found on the ids; 9 of 26 rows supervised."""
+    from dhp.data.batch import PackedMeta
+
+    tiny = dataclasses.replace(preset("tiny"), image_token_id=300)  # inside the tiny vocabulary
+    torch.manual_seed(0)
+    model = get_family("qwen2_5_vl").module("text").build(tiny).double()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 100, (2, 13), generator=g)
+    ids[0, 2:5] = ids[1, 7:9] = tiny.image_token_id  # 5 placeholders in two rows
+    pos = torch.arange(13).expand(3, 2, 13)
+    targets = ids.roll(-1, 1)
+    targets[:, :8] = -100
+    targets[0, 10] = -100
+    embeds = torch.randn(5, tiny.text.hidden_size, generator=g, dtype=torch.float64)
+    flat_t, flat_ids = targets.reshape(-1), ids.reshape(-1)
+    meta = PackedMeta(cu_seqlens=(0, 13, 26), label_rows=(flat_t != -100).nonzero().flatten(),
+                      placeholders={tiny.image_token_id: (flat_ids == tiny.image_token_id).nonzero().flatten()})
+    assert meta.num_supervised == 9
+
+    def run(chunk: int, meta: PackedMeta | None) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        model.zero_grad()
+        model.loss_chunk_tokens = chunk
+        media = embeds.clone().requires_grad_()
+        loss = model.loss_sum(ids, pos, targets, media, meta=meta)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, media.grad
+
+    ref, got = run(0, None), run(chunk, meta)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)
+    for n, grad in ref[1].items():
+        torch.testing.assert_close(got[1][n], grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="5 placeholder tokens"):  # a count that differs is still an error
+        model.loss_sum(ids, pos, targets, embeds[:4], meta=meta)

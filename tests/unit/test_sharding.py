@@ -130,7 +130,7 @@ def train(
             p.grad.mul_(1.0 / n_tokens)
             if dp_group is not None and not fsdp:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=dp_group)
-        norm_sq = grad_norm_sq(params)
+        norm_sq = float(grad_norm_sq(params))
         coef = min(1.0, MAX_NORM / (norm_sq**0.5 + 1e-6))
         for p in params:
             p.grad.mul_(coef)

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from dhp.data.batch import PackedMeta
 from dhp.models.qwen2_5_vl import build_model
 from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig, tiny
 from dhp.models.qwen2_5_vl.parallelize import parallelize_text, parallelize_vision_tp, qkv_rows_from_rank_order
@@ -77,8 +78,24 @@ def run_text(model: torch.nn.Module, x: dict[str, torch.Tensor]) -> dict[str, An
     loss = model.loss_sum(*args, x["targets"], embeds, x["cu_seqlens"])
     loss.backward()
     grads = {n: full(p.grad) for n, p in model.named_parameters()}
-    return {"logits": logits, "loss": loss.detach(), "grads": grads, "embeds_grad": embeds.grad,
-            "norm_sq": grad_norm_sq(model.parameters()), "grad_layouts": grad_layout_mismatches(model)}
+    out = {"logits": logits, "loss": loss.detach(), "grads": grads, "embeds_grad": embeds.grad,
+           "norm_sq": float(grad_norm_sq(model.parameters())), "grad_layouts": grad_layout_mismatches(model)}
+    # the same loss over the supervised rows only (host metadata, as the engine passes it): lm_head sees 30 of 40
+    model.zero_grad(set_to_none=True)
+    embeds = x["image_embeds"].clone().requires_grad_()
+    loss = model.loss_sum(*args, x["targets"], embeds, meta=text_meta(x))
+    loss.backward()
+    out["labelled"] = {"loss": loss.detach(), "grads": {n: full(p.grad) for n, p in model.named_parameters()},
+                       "embeds_grad": embeds.grad, "grad_layouts": grad_layout_mismatches(model)}
+    return out
+
+
+def text_meta(x: dict[str, torch.Tensor]) -> PackedMeta:
+    """The host metadata ``Batch.meta`` gives the engine for these inputs."""
+    flat_ids, flat_targets = x["input_ids"].reshape(-1), x["targets"].reshape(-1)
+    return PackedMeta(cu_seqlens=tuple(x["cu_seqlens"].tolist()),
+                      label_rows=(flat_targets != -100).nonzero().flatten(),
+                      placeholders={IMAGE: (flat_ids == IMAGE).nonzero().flatten()})
 
 
 def grad_layout_mismatches(model: torch.nn.Module) -> list[str]:
@@ -104,7 +121,7 @@ def run_vision(model: torch.nn.Module, x: dict[str, torch.Tensor], tp: int) -> d
         for n in grads:
             if ".attn.qkv." in n:
                 grads[n] = qkv_rows_from_rank_order(grads[n], heads, tp)
-    return {"out": out.detach(), "grads": grads, "norm_sq": grad_norm_sq(model.parameters())}
+    return {"out": out.detach(), "grads": grads, "norm_sq": float(grad_norm_sq(model.parameters()))}
 
 
 def _sharded_worker(rank: int, world_size: int) -> dict[str, Any]:
@@ -158,6 +175,9 @@ def assert_grads_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
 )
 def test_text_tp_matches_unsharded(sharded, case, tie, extra):
     ref = reference_text(tie, extra)
+    single = ref["labelled"]  # unsharded, whole logits over the supervised rows
+    assert abs(single["loss"].item() - ref["loss"].item()) < 1e-5 * max(1.0, abs(ref["loss"].item()) / 100)
+    assert_grads_close(single["grads"], ref["grads"])
     for rank, res in enumerate(sharded):
         got = res[case]
         assert got["logits"].shape == ref["logits"].shape
@@ -168,6 +188,11 @@ def test_text_tp_matches_unsharded(sharded, case, tie, extra):
         assert (got["embeds_grad"] - ref["embeds_grad"]).abs().max().item() < 1e-6, rank
         assert got["norm_sq"] == pytest.approx(ref["norm_sq"], rel=1e-6), rank
         assert got["grad_layouts"] == [], rank  # embed_tokens' included: Shard(0), this rank's rows only
+        lab = got["labelled"]  # lm_head over the supervised rows only: the same loss and gradients
+        assert abs(lab["loss"].item() - ref["loss"].item()) < 1e-5 * max(1.0, abs(ref["loss"].item()) / 100), rank
+        assert_grads_close(lab["grads"], ref["grads"])
+        assert (lab["embeds_grad"] - ref["embeds_grad"]).abs().max().item() < 1e-6, rank
+        assert lab["grad_layouts"] == [], rank
         if "residual_shape" in got:  # the residual stream really is a sequence shard: ceil(T / tp) tokens
             assert got["residual_shape"] == (1, -(-ref["logits"].shape[1] // TP), text_cfg().text.hidden_size)
             assert got["norm_grad_placements"] == "(Replicate(),)"  # reduced after backward, not left Partial

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dhp.models.layers import host_metadata, packed_attention
+from dhp.models.layers import Segments, host_metadata, packed_attention
 from dhp.models.qwen2_5_omni.config import AudioConfig
 from dhp.models.qwen2_5_vl.vision import init_rule
 from dhp.parallel.materialize import init_by_name
@@ -88,7 +88,7 @@ class AudioAttention(nn.Module):
         self.v_proj = nn.Linear(d, d, bias=True)
         self.out_proj = nn.Linear(d, d, bias=True)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+    def forward(self, x: torch.Tensor, cu_seqlens: Segments | torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         seq = x.shape[0]
         q, k, v = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj))  # [T, D] each
         if seq == 0:  # a sequence-parallel rank with no chunk still runs every layer (FSDP gathers in lockstep)
@@ -108,12 +108,14 @@ class AudioEncoderLayer(nn.Module):
         self.fc1 = nn.Linear(cfg.d_model, cfg.encoder_ffn_dim)
         self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+    def forward(self, x: torch.Tensor, cu_seqlens: Segments | torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         x = x + self.self_attn(self.self_attn_layer_norm(x), cu_seqlens)
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
 
 class AudioEncoder(nn.Module):
+    attention_kernel: str = "auto"  # packed_attention's kernel (train.attention)
+
     def __init__(self, cfg: AudioConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -145,20 +147,20 @@ class AudioEncoder(nn.Module):
     def encode_chunks(self, padded: torch.Tensor, chunk_lengths: torch.Tensor) -> torch.Tensor:
         """padded [C, M, L] (zeros past each chunk's length), chunk_lengths [C] -> hidden [sum_c ceil(len_c/2), D],
         valid rows only, in chunk order. Chunks never see each other: any subset gives the same rows."""
-        with host_metadata():
+        x = padded.to(self.conv1.weight.dtype)
+        with host_metadata():  # all from the chunk lengths, on the host: no device value is read back
             lengths = chunk_lengths.cpu()
             after = after_conv_lengths(lengths)  # [C] rows per chunk after the stride-2 conv
-            cu_seqlens = F.pad(after.cumsum(0), (1, 0))
-        x = padded.to(self.conv1.weight.dtype)
-        frames = torch.arange(x.shape[2], device=x.device)
-        mask = (frames < lengths.to(x.device)[:, None]).unsqueeze(1)  # [C, 1, L]
-        x = F.gelu(self.conv1(x)) * mask  # [C, D, L]
+            segments = Segments(F.pad(after.cumsum(0), (1, 0)).tolist(), self.attention_kernel)
+            frame_mask = (torch.arange(x.shape[2]) < lengths[:, None]).unsqueeze(1)  # [C, 1, L]
+        x = F.gelu(self.conv1(x)) * frame_mask.to(x.device)  # [C, D, L]
         x = F.gelu(self.conv2(x)).transpose(1, 2)  # [C, ceil(L/2), D]
+        with host_metadata():
+            valid = (torch.arange(x.shape[1]) < after[:, None]).reshape(-1).nonzero().flatten()  # [T] flat rows
         x = x + self.positional_embedding[: x.shape[1]].to(x.dtype)  # positions restart at each chunk
-        rows = torch.arange(x.shape[1], device=x.device)
-        x = x[rows < after.to(x.device)[:, None]]  # [T, D] valid rows, chunk order
+        x = x.reshape(-1, x.shape[-1]).index_select(0, valid.to(x.device))  # [T, D] valid rows, chunk order
         for layer in self.layers:
-            x = layer(x, cu_seqlens)
+            x = layer(x, segments)
         return x
 
     def pool_project(self, hidden: torch.Tensor, segment_lengths: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dhp.models.layers import host_metadata
 from dhp.models.qwen2_5_omni.config import Qwen2_5OmniConfig, preset
 from dhp.models.qwen2_5_vl.family import FAMILY as QWEN_VL
 from dhp.models.qwen2_5_vl.family import LANGUAGE, VISION
@@ -64,13 +65,15 @@ def _audio_inputs(samples: list, device: torch.device | str) -> tuple[torch.Tens
 
 def encode_audio(module: nn.Module, samples: list, par: Any,
                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (this rank's audio token embeddings [n, D], their index among the batch's audio tokens)."""
+    """-> (this rank's audio token embeddings [n, D], their index among the batch's audio tokens: host metadata,
+    a CPU tensor)."""
     from dhp.models.qwen2_5_omni.audio import chunk_features
 
     feats, lens = _audio_inputs(samples, device)
     if par.inner_kind != "sp":
         out = module(feats, torch.tensor(lens, dtype=torch.long))  # [N, D], clip order
-        return out, torch.arange(out.shape[0], device=out.device)
+        with host_metadata():
+            return out, torch.arange(out.shape[0])
     from dhp.models.qwen2_5_omni.sequence_parallel import shard_audio, shard_features
 
     n_window = module.cfg.n_window
@@ -82,7 +85,7 @@ def encode_audio(module: nn.Module, samples: list, par: Any,
         padded, chunk_lengths = feats.new_zeros(0, feats.shape[0], 2 * n_window), torch.zeros(0, dtype=torch.long)
     rows = module.encode_chunks(padded, chunk_lengths)  # [rows of my chunks, d_model]
     out = module.pool_project(rows, torch.tensor(shard.segments(), dtype=torch.long))  # [my tokens, D]
-    return out, shard.token_index.to(out.device)
+    return out, shard.token_index
 
 
 def check_audio_layout(model_cfg: Qwen2_5OmniConfig, sp: int, tp: int) -> str | None:

@@ -71,7 +71,8 @@ def encode_vision(module: VisionTransformer, samples: list, par: Any,
                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (embeddings of this rank's merged vision tokens [n, D], their index among the batch's vision tokens).
 
-    Each sample's inputs in the family's order: its images, then its video clips (``token_counts``)."""
+    Each sample's inputs in the family's order: its images, then its video clips (``token_counts``). The index is
+    host metadata (a CPU tensor, from the grids): the engine cuts it per sample without reading the device."""
     patch_dim = module.cfg.patch_dim
     pixels = torch.cat([torch.zeros(0, patch_dim)] + [p for s in samples for p in (
         s.pixel_values, s.pixel_values_videos)]).to(device)
@@ -80,13 +81,14 @@ def encode_vision(module: VisionTransformer, samples: list, par: Any,
             s.image_grid_thw, s.video_grid_thw)])
     if par.inner_kind != "sp":
         out = module(pixels, grid)  # [N/4, D] image order
-        return out, torch.arange(out.shape[0], device=out.device)
+        with host_metadata():
+            return out, torch.arange(out.shape[0])
     from dhp.models.qwen2_5_vl.sequence_parallel import shard_vision, sp_forward
 
     with host_metadata():
         shard = shard_vision(vision_layout(grid.cpu(), module.cfg), par.spec.sp)[par.inner_rank]
     out = sp_forward(module, pixels, shard, par.inner_group)  # [S_local/4, D] window order
-    return out, shard.merged_index.to(out.device)
+    return out, shard.merged_index
 
 
 def vision_layout_transforms(module: nn.Module, par: Any) -> dict[str, LayoutTransform]:

@@ -49,6 +49,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from dhp.models.layers import Segments, compute_dtype
 from dhp.models.qwen2_5_vl.text import TextModel
 from dhp.models.qwen2_5_vl.vision import VisionTransformer
 from dhp.parallel.tensor import check_tp, check_vision_tp, shard_range
@@ -87,6 +88,7 @@ class _VocabParallelEmbedding(nn.Embedding):
         if local.shape[0] == 0:  # an empty shard (uneven cut): one zero row to look the masked ids up in
             local = F.pad(local, (0, 0, 0, 1))
         out = F.embedding(ids, local).masked_fill(outside.unsqueeze(-1), 0)
+        out = out.to(compute_dtype(out))  # the all-reduce carries the compute dtype (bf16 under autocast)
         out = DTensor.from_local(out, mesh, [Partial()], run_check=False)
         return out.redistribute(mesh, [Replicate()]).to_local()
 
@@ -211,7 +213,7 @@ class _SequencePadding:
         p = self._pad(cos.shape[1])
         if p:
             cos, sin = (F.pad(r, (0, 0, 0, p)) for r in (cos, sin))
-            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:] + p])
+            cu_seqlens = Segments.of(cu_seqlens).padded(p)  # host metadata; made once, shared by every layer
         return x, (cos, sin), cu_seqlens
 
     def unpad_logits(self, module: nn.Module, args: tuple, logits: torch.Tensor) -> torch.Tensor:

@@ -16,15 +16,28 @@ Without it each row is one causal sequence.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
-from dhp.models.layers import RMSNorm, SwiGLU, apply_rotary, has_values, packed_attention
+from dhp.models.layers import (
+    RMSNorm,
+    Segments,
+    SwiGLU,
+    apply_rotary,
+    compute_dtype,
+    has_values,
+    packed_attention,
+)
 from dhp.models.loss import chunked_linear_cross_entropy_sum
 from dhp.models.qwen2_5_vl.config import TextConfig
 from dhp.parallel.tensor import vocab_parallel_cross_entropy_sum
+
+if TYPE_CHECKING:
+    from dhp.data.batch import PackedMeta
 
 Media = torch.Tensor | dict[int, torch.Tensor | None] | None  # image embeddings, or {placeholder id: embeddings}
 
@@ -65,7 +78,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: Segments | torch.Tensor
     ) -> torch.Tensor:
         b, seq, _ = x.shape
         # head counts come from the (possibly tensor-parallel, i.e. local) projection widths
@@ -86,7 +99,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor):
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: Segments | torch.Tensor):
         x = x + self.self_attn(self.input_layernorm(x), rope, cu_seqlens)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -97,9 +110,11 @@ class TextModel(nn.Module):
     ``loss_chunk_tokens``: ``loss_sum`` takes the cross entropy through ``lm_head`` this many tokens at a time
     when a micro-batch has more (``dhp.models.loss``: the float32 logits are never whole); 0, the default of a
     bare model, always makes the whole logits. The trainer sets it from ``train.loss_chunk_tokens``.
+    ``attention_kernel``: ``packed_attention``'s kernel (``train.attention``: auto, sdpa, varlen).
     """
 
     loss_chunk_tokens: int = 0
+    attention_kernel: str = "auto"
 
     def __init__(self, cfg: TextConfig, image_token_id: int) -> None:
         super().__init__()
@@ -113,24 +128,33 @@ class TextModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def embed(self, input_ids: torch.Tensor, media: Media = None) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, media: Media = None,
+              placeholders: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Token embeddings [B, L, D] with each encoder's embeddings placed at its placeholder tokens, in order.
 
         ``media``: ``{placeholder token id: embeddings [n, D]}`` (one entry per encoder), or a plain tensor of
-        image embeddings (placed at ``image_token_id``). Every placeholder must get exactly one embedding."""
+        image embeddings (placed at ``image_token_id``). Every placeholder must get exactly one embedding.
+        ``placeholders``: ``{token id: flat positions [n]}`` on the host (``PackedMeta.placeholders``): the counts
+        are checked and the embeddings copied there with no read of the device; without it they are found on the
+        ids (a host read of the device's ids per placeholder id)."""
         x = self.embed_tokens(input_ids)
+        x = x.to(compute_dtype(x))  # the residual stream carries the compute dtype from here (bf16 under autocast)
         if media is None or isinstance(media, torch.Tensor):
             media = {self.image_token_id: media}
         if self.image_token_id not in media:
             media = {self.image_token_id: None, **media}
         for token_id, embeds in media.items():
-            mask = input_ids == token_id
             n_embeds = 0 if embeds is None else embeds.shape[0]
+            if placeholders is not None and token_id in placeholders:
+                rows = placeholders[token_id]
+                _check_slots(int(rows.numel()), n_embeds, token_id)
+                if n_embeds:
+                    flat = x.reshape(-1, x.shape[-1]).index_copy(0, rows.to(x.device), embeds.to(x.dtype))
+                    x = flat.view(x.shape)
+                continue
+            mask = input_ids == token_id
             if has_values(mask):  # (a planner's fake run has shapes only: nothing to count)
-                n_slots = int(mask.sum())
-                if n_slots != n_embeds:
-                    raise ValueError(f"{n_slots} placeholder tokens (id {token_id}) in the input but {n_embeds} "
-                                     "embeddings for them")
+                _check_slots(int(mask.sum()), n_embeds, token_id)
             if n_embeds:
                 x = x.masked_scatter(mask.unsqueeze(-1), embeds.to(x.dtype))
         return x
@@ -140,7 +164,7 @@ class TextModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         media: Media = None,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: Segments | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [B, L], position_ids [3, B, L], media (see ``embed``) -> logits [B, L, V]."""
         return self.lm_head(self.hidden_states(input_ids, position_ids, media, cu_seqlens))
@@ -150,15 +174,21 @@ class TextModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         media: Media = None,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: Segments | torch.Tensor | None = None,
+        meta: PackedMeta | None = None,
     ) -> torch.Tensor:
+        """The final norm's output [B, L, D]. The attention's segments: ``meta``'s (host metadata), else
+        ``cu_seqlens`` (a host tensor or ``Segments``), else each row its own sequence."""
         b, seq = input_ids.shape
-        if cu_seqlens is None:  # each row its own sequence
-            cu_seqlens = torch.arange(0, (b + 1) * seq, seq)
-        x = self.embed(input_ids, media)
+        if meta is not None:
+            bounds = meta.cu_seqlens
+        else:
+            bounds = cu_seqlens if cu_seqlens is not None else range(0, (b + 1) * seq, seq)
+        segments = Segments.of(bounds, self.attention_kernel)  # once per micro-batch: every layer shares it
+        x = self.embed(input_ids, media) if meta is None else self.embed(input_ids, media, meta.placeholders)
         rope = self.rotary(position_ids)
         for layer in self.layers:
-            x = layer(x, rope, cu_seqlens)
+            x = layer(x, rope, segments)
         return self.norm(x)
 
     def loss_sum(
@@ -167,13 +197,18 @@ class TextModel(nn.Module):
         position_ids: torch.Tensor,
         targets: torch.Tensor,
         media: Media = None,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: Segments | torch.Tensor | None = None,
+        meta: PackedMeta | None = None,
     ) -> torch.Tensor:
         """Summed next-token cross entropy; ``targets [B, L]`` are already shifted (-100: not supervised).
 
         Under tensor parallelism (``parallelize_text``) the logits are a DTensor sharded on the vocabulary and
         the loss is the vocab-parallel cross entropy: the same float32 sum, a plain scalar on every rank.
-        Otherwise, past ``loss_chunk_tokens`` tokens, the head and the loss run chunk by chunk (the same sum)."""
+        Otherwise, past ``loss_chunk_tokens`` tokens, the head and the loss run chunk by chunk (the same sum).
+        With ``meta`` (``PackedMeta``, host metadata) only the supervised rows go through ``lm_head``: the same
+        sum (the other rows add exact zeros), without the head's FLOPs and logits for image and prompt tokens."""
+        if meta is not None:
+            return self._labelled_loss_sum(input_ids, position_ids, targets, media, meta)
         chunk = self.loss_chunk_tokens
         if chunk > 0 and input_ids.numel() > chunk and not isinstance(self.lm_head.weight, DTensor):
             hidden = self.hidden_states(input_ids, position_ids, media, cu_seqlens)  # [B, L, D]
@@ -184,3 +219,40 @@ class TextModel(nn.Module):
         return F.cross_entropy(
             logits.view(-1, logits.shape[-1]).float(), targets.view(-1), ignore_index=-100, reduction="sum"
         )
+
+    def _labelled_loss_sum(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
+                           media: Media, meta: PackedMeta) -> torch.Tensor:
+        """``loss_sum`` over ``meta.label_rows`` only, in every layout (whole logits, chunked, vocab-parallel,
+        Megatron SP)."""
+        hidden = self.hidden_states(input_ids, position_ids, media, None, meta)  # [B, L(+pad), D]
+        rows = meta.label_rows.to(hidden.device)  # the one copy of the index to the device
+        picked = targets.reshape(-1).index_select(0, rows.to(targets.device))  # [n]
+        h = labelled_rows(hidden, rows)  # [n, D]
+        if isinstance(self.lm_head.weight, DTensor):  # vocab-parallel head: logits [1, n, V/tp] on each rank
+            return vocab_parallel_cross_entropy_sum(self.lm_head(h[None]), picked[None])
+        chunk = self.loss_chunk_tokens
+        if 0 < chunk < h.shape[0]:
+            return chunked_linear_cross_entropy_sum(h, self.lm_head.weight, picked, chunk)
+        logits = self.lm_head(h)
+        return F.cross_entropy(logits.float(), picked, ignore_index=-100, reduction="sum")
+
+
+def labelled_rows(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (flat positions on ``hidden``'s device) of hidden states ``[B, L, D]`` -> ``[n, D]``.
+
+    Under Megatron sequence parallelism the final norm's output is a DTensor sharded on the (padded) sequence:
+    it is gathered first (what the vocab-parallel head's input does anyway), its rows taken on every rank, and
+    handed on as a ``Replicate`` DTensor, so the head neither gathers again nor misreads them as a shard; its
+    backward sums the rows' gradient over the TP ranks and keeps each rank's own sequence shard."""
+    if not isinstance(hidden, DTensor):
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    full = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+    local = full.to_local()
+    picked = local.reshape(-1, local.shape[-1]).index_select(0, rows)
+    return DTensor.from_local(picked, full.device_mesh, full.placements, run_check=False)
+
+
+def _check_slots(n_slots: int, n_embeds: int, token_id: int) -> None:
+    if n_slots != n_embeds:
+        raise ValueError(f"{n_slots} placeholder tokens (id {token_id}) in the input but {n_embeds} embeddings for "
+                         "them")

@@ -15,14 +15,17 @@ sequence-parallel runtime cuts this same layout at window boundaries.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dhp.models.layers import RMSNorm, SwiGLU, apply_rotary, host_metadata, packed_attention
+from dhp.models.layers import RMSNorm, Segments, SwiGLU, apply_rotary, host_metadata, packed_attention
 from dhp.models.qwen2_5_vl.config import VisionConfig
+from dhp.parallel.ulysses import UlyssesSegments
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,8 @@ class PatchMerger(nn.Module):
 
 
 class VisionTransformer(nn.Module):
+    attention_kernel: str = "auto"  # packed_attention's kernel (train.attention)
+
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -193,11 +198,20 @@ class VisionTransformer(nn.Module):
     def encode(
         self, x: torch.Tensor, rotary_pos: torch.Tensor, cu_window: torch.Tensor, cu_full: torch.Tensor
     ) -> torch.Tensor:
-        """Blocks and merger over window-ordered tokens x [S, C_v] (S a multiple of 4) -> [S/4, D]."""
+        """Blocks and merger over window-ordered tokens x [S, C_v] (S a multiple of 4) -> [S/4, D].
+
+        ``cu_window``/``cu_full``: host boundaries (tensors, ``Segments``, or ``UlyssesSegments`` for the
+        full-attention blocks of a sequence-parallel rank), made ``Segments`` once here for every block."""
         rope = self.rotary(rotary_pos)
+        window, full = (self._segments(cu) for cu in (cu_window, cu_full))
         for block in self.blocks:
-            x = block(x, cu_full if block.full_attention else cu_window, rope)
+            x = block(x, full if block.full_attention else window, rope)
         return self.merger(x)
+
+    def _segments(self, cu: Any) -> Any:
+        if isinstance(cu, UlyssesSegments):
+            return dataclasses.replace(cu, cu_seqlens=Segments.of(cu.cu_seqlens, self.attention_kernel))
+        return Segments.of(cu, self.attention_kernel)
 
 
 def init_rule(name: str, param: torch.Tensor, std: float = 0.02) -> tuple:

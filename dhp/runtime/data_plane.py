@@ -1,0 +1,193 @@
+"""The data plane between module groups, worker side: point-to-point sends and receives, and CUDA IPC handles.
+
+Why: the embeddings an encoder rank makes and the gradients that come back are
+the largest tensors that cross groups (a 65k-patch image at width 5120 in bf16
+is 640 MB). Through Ray's object store each piece goes device to host, through
+pickle and shared memory, and back; from one text rank to every SP rank. Here
+they go rank to rank instead:
+
+- ``p2p`` (``P2PChannel``): ``torch.distributed.batch_isend_irecv`` between the
+  sending and the receiving rank, over two process groups that span every
+  actor of every module (NCCL between GPUs, gloo on CPU: CI runs the same
+  code). One group per direction (embeddings forward, gradients backward):
+  point-to-point messages between two ranks are matched in the order they were
+  posted, per group, and an encoder running ahead posts the sends of round k+1
+  before it receives the gradients of round k. Sends are asynchronous (the
+  sender keeps the buffers until they complete, ``drain`` at the end of the
+  step), so a rank never waits for its peer to reach its receive.
+  Receives are sized from host metadata the driver hands on (``Incoming``):
+  rows per sample, width and dtype, which the sender reported when its forward
+  finished. No tensor passes through the driver, and no receive needs a host
+  read of a device value.
+- ``cuda_ipc`` (``share_cuda``/``open_cuda``): workers that share one GPU
+  (collocated, where NCCL cannot join two ranks of a device) hand each other
+  CUDA IPC handles through Ray: ``torch.multiprocessing``'s own reduction, which
+  carries the producer's interprocess event (the consumer's stream waits on it)
+  and a reference count that keeps the producer's block alive until the consumer
+  is done. The consumer copies into its own memory, so the producer may free.
+
+A wait that never ends is a hang: every receive waits at most the process
+group's timeout (``runtime.collective_timeout_s``) and then fails, naming the peer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DIRECTIONS = ("forward", "backward")  # embeddings to the language model; their gradients back
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """What one rank receives from one peer rank for one micro-batch round: the driver's small metadata.
+
+    ``rows``: (sample id, rows) in the order the sender packed them; ``width`` and ``dtype`` of the rows.
+    The sender sends two tensors: the token index of every row (int64 [n]) and the rows ([n, width]).
+    Under an encoder's TP (the uniform baseline) the ranks of a replica agree: one sends, all take gradients."""
+
+    module: str  # the sending group
+    peer: int  # its global rank (the data plane's process groups span every actor)
+    rows: tuple[tuple[int, int], ...]
+    width: int
+    dtype: str
+    reply_to: tuple[int, ...] = ()  # global ranks the gradients of these rows go to (empty: ``peer``)
+
+    @property
+    def gradient_peers(self) -> tuple[int, ...]:
+        return self.reply_to or (self.peer,)
+
+    @property
+    def n_rows(self) -> int:
+        return sum(n for _, n in self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_rows * (self.width * _dtype(self.dtype).itemsize + 8)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class P2PChannel:
+    """This rank's end of the point-to-point data plane: one process group per direction, pending sends."""
+
+    def __init__(self, groups: dict[str, Any], device: torch.device) -> None:
+        missing = set(DIRECTIONS) - set(groups)
+        if missing:
+            raise ValueError(f"data plane: no process group for {sorted(missing)}")
+        self.groups, self.device = groups, device
+        self._sending: list[tuple[list[Any], list[torch.Tensor]]] = []  # works and the buffers they read
+
+    def send(self, direction: str, peer: int, tensors: list[torch.Tensor]) -> int:
+        """Starts sending ``tensors`` to global rank ``peer``; returns the bytes. Never waits for the peer."""
+        tensors = [t.detach().contiguous() for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, peer, self.groups[direction]) for t in tensors]
+        self._sending.append((dist.batch_isend_irecv(ops), tensors))
+        self._reap()
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def receive(self, direction: str, incoming: list[Incoming],
+                with_index: bool = True) -> tuple[list[tuple[torch.Tensor | None, torch.Tensor]], float]:
+        """(token index, rows) from each of ``incoming``'s peers, in its order; and the seconds spent waiting.
+
+        ``with_index=False``: the peers send the rows only (gradients, in the order of rows already known)."""
+        ops, out = [], []
+        for inc in incoming:
+            index = torch.empty(inc.n_rows, dtype=torch.int64, device=self.device) if with_index else None
+            rows = torch.empty(inc.n_rows, inc.width, dtype=_dtype(inc.dtype), device=self.device)
+            ops += [dist.P2POp(dist.irecv, t, inc.peer, self.groups[direction]) for t in (index, rows)
+                    if t is not None]
+            out.append((index, rows))
+        t0 = time.perf_counter()
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return out, time.perf_counter() - t0
+
+    def _reap(self) -> None:
+        """Forget sends that have completed (their buffers may go)."""
+        self._sending = [(works, ts) for works, ts in self._sending if not all(w.is_completed() for w in works)]
+
+    def drain(self) -> float:
+        """Waits for every pending send (each was matched by its peer's receive within the step); seconds."""
+        t0 = time.perf_counter()
+        for works, _ in self._sending:
+            for w in works:
+                w.wait()
+        self._sending = []
+        return time.perf_counter() - t0
+
+
+def pack_rows(pieces: dict[int, tuple[torch.Tensor, torch.Tensor]], sample_ids: list[int],
+              device: torch.device) -> tuple[tuple[tuple[int, int], ...], torch.Tensor | None, torch.Tensor | None]:
+    """The rows of ``sample_ids`` this rank holds, in that order: ((sid, rows)...), token index, rows (or None)."""
+    held = [i for i in sample_ids if i in pieces and len(pieces[i][0])]
+    if not held:
+        return (), None, None
+    counts = tuple((i, len(pieces[i][0])) for i in held)
+    index = torch.cat([pieces[i][0].to(device) for i in held])
+    rows = torch.cat([pieces[i][1] for i in held])
+    return counts, index, rows
+
+
+def split_rows(counts: tuple[tuple[int, int], ...], index: torch.Tensor,
+               rows: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Undo ``pack_rows``: {sample id: (token index, rows)} (split by host counts: no device read)."""
+    sizes = [n for _, n in counts]
+    return {sid: (i, r) for (sid, _), i, r in zip(counts, index.split(sizes), rows.split(sizes), strict=True)}
+
+
+# ---- CUDA IPC (workers sharing one GPU) --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SharedCuda:
+    """A CUDA tensor of another process on this GPU: ``torch.multiprocessing``'s rebuild function and its
+    arguments (the memory handle, the producer's event, the reference count's handle)."""
+
+    rebuild: Any
+    args: tuple
+
+
+def share_cuda(obj: Any) -> Any:
+    """``obj`` with every CUDA tensor replaced by a ``SharedCuda`` handle (small: it travels through Ray)."""
+    if isinstance(obj, torch.Tensor):
+        if not obj.is_cuda:
+            return obj
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        rebuild, args = reduce_tensor(obj.detach().contiguous())
+        return SharedCuda(rebuild, args)
+    if isinstance(obj, dict):
+        return {k: share_cuda(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(share_cuda(v) for v in obj)
+    return obj
+
+
+def open_cuda(obj: Any) -> Any:
+    """Undo ``share_cuda`` in the consumer: each handle opened (after the producer's event) and copied into
+    this process's memory, so the producer's block is released once the copy is made."""
+    if isinstance(obj, SharedCuda):
+        return obj.rebuild(*obj.args).clone()
+    if isinstance(obj, dict):
+        return {k: open_cuda(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(open_cuda(v) for v in obj)
+    return obj
+
+
+__all__ = ["DIRECTIONS", "Incoming", "P2PChannel", "SharedCuda", "dtype_name", "open_cuda", "pack_rows",
+           "share_cuda", "split_rows"]
