@@ -364,7 +364,7 @@ def _text_layer_local(preset_name: str, tp: int):
     attn, mlp = layer.self_attn, layer.mlp
     attn.q_proj, attn.k_proj, attn.v_proj = nn.Linear(c, q), nn.Linear(c, kv), nn.Linear(c, kv)
     attn.o_proj = nn.Linear(q, c, bias=False)
-    mlp.gate_proj, mlp.up_proj = nn.Linear(c, i, bias=False), nn.Linear(c, i, bias=False)
+    mlp.gate_up_proj = nn.Linear(c, 2 * i, bias=False)  # [gate; up], as SwiGLU fuses them
     mlp.down_proj = nn.Linear(i, c, bias=False)
     return layer, MRotary(cfg), cfg
 

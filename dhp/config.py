@@ -144,6 +144,10 @@ class RuntimeConfig:
     placement: Literal["collocated", "disaggregated"] = "collocated"
     ray_address: str | None = None  # unset: RAY_ADDRESS or a new local Ray; "auto" or host:port to join
     encoders_ahead: int = 1  # micro-batches the encoder groups may run ahead of the text group (disaggregated)
+    # rounds whose samples each encoder spreads over its replicas and encodes at once (their activations held
+    # until their text rounds): 0 (auto) is enough for every replica to get a sample under collocated placement,
+    # 1 under disaggregated; lower it where the encoder's activations of that many rounds do not fit
+    encoder_window: int = 0
     transport: Literal["auto", "direct", "object_store"] = "auto"
     cpus_per_worker: float = 1.0
     # auto: one GPU per worker when the Ray cluster has GPUs for every worker (a layout that does not fit is
@@ -202,6 +206,7 @@ class Config:
         _check(0 < self.data.max_audio_seconds <= 30, "data.max_audio_seconds",
                "must be in (0, 30]: the audio encoder reads at most one 30-second Whisper window per clip")
         _check(self.runtime.encoders_ahead >= 0, "runtime.encoders_ahead", "must be >= 0")
+        _check(self.runtime.encoder_window >= 0, "runtime.encoder_window", "must be >= 0 (0: auto)")
         _check(self.data.loader_workers >= 0, "data.loader_workers", "must be >= 0 (0: load in the worker's thread)")
         _check(t.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0 (0: no periodic checkpoints)")
         _check(t.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0: keep all)")

@@ -13,7 +13,7 @@ from typing import Any
 
 from dhp.config import Config, ConfigError
 from dhp.data.llava import SFTDataset
-from dhp.data.sampler import BatchPlanner
+from dhp.data.sampler import BatchPlanner, encoder_window
 from dhp.data.tokenizer import Tokenizer
 from dhp.errors import DataError, DhpError, ModelError
 from dhp.models.registry import resolve_family
@@ -129,8 +129,14 @@ def make_planner(inputs: RunInputs, dataset: SFTDataset) -> BatchPlanner:
     """The run's batch plan: each module's costs, its dp, the batch sizes and the seed of the config."""
     cfg = inputs.cfg
     costs = module_costs(inputs.family, inputs.model_cfg, dataset)
-    return BatchPlanner(costs, {m: cfg.module(m).parallel.dp for m in costs}, cfg.train.global_batch_size,
-                        cfg.train.micro_batch_size, seed=cfg.train.seed, language=inputs.family.language.name)
+    dp = {m: cfg.module(m).parallel.dp for m in costs}
+    lang = inputs.family.language.name
+    per_round = cfg.train.micro_batch_size * dp[lang]
+    window = encoder_window(cfg.runtime.encoder_window, cfg.runtime.placement,
+                            [dp[m] for m in costs if m != lang], per_round,
+                            max(1, cfg.train.global_batch_size // per_round))
+    return BatchPlanner(costs, dp, cfg.train.global_batch_size, cfg.train.micro_batch_size, seed=cfg.train.seed,
+                        language=lang, encoder_window=window)
 
 
 @dataclass

@@ -19,8 +19,11 @@ Ray runs an actor's calls in submission order, so the schedule is the
 submission order: in ``disaggregated`` placement the encoder forwards of the
 next ``runtime.encoders_ahead`` rounds are submitted before the current round's
 text step and encoder backwards, and the encoder groups work on them while the
-text group computes; ``collocated`` groups share devices and take turns
-(ahead = 0). The driver holds ObjectRefs; tensors go worker to worker.
+text group computes; in ``collocated`` placement the encoders encode a whole
+encoder window of rounds (``runtime.encoder_window``, ``StepPlan.window``) before
+its first text round, each replica its own samples, so every encoder replica
+works at once. The order is data: ``dhp.data.sampler.schedule_turns``. The
+driver holds ObjectRefs; tensors go worker to worker.
 
 The driver hands a tensor ref on only once the call that made it has finished
 (``WorkerGroup.wait_tensors``): each round it waits for the round's encoder
@@ -31,13 +34,14 @@ tensors. A failed producer is reported at once, by module and rank.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from dhp.backends.base import StepStats, clip_coefficient, global_norm, imbalance, no_supervised_tokens
 from dhp.backends.ray_workers import EncoderWorker, LanguageWorker
 from dhp.config import Config, ConfigError
-from dhp.data.sampler import Round, StepPlan
+from dhp.data.sampler import Round, StepPlan, schedule_turns
 from dhp.engine import encoder_trains
 from dhp.inputs import RunInputs
 from dhp.models.spec import FamilySpec
@@ -116,6 +120,18 @@ def check_local_budget(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"runtime: {e} (this machine: {machine['CPU']:g} CPUs, {machine['GPU']:g} GPUs)") from None
 
 
+def check_encoders_fed(cfg: Config, encoders: list[str]) -> None:
+    """An encoder replica that can never get a sample cannot be kept busy: more replicas than samples per step
+    is refused, naming the fix."""
+    batch = cfg.train.global_batch_size
+    for e in encoders:
+        dp = cfg.module(e).parallel.dp
+        if dp > batch:
+            raise ConfigError(f"{e}.parallel.dp={dp} exceeds train.global_batch_size={batch}: at most {batch} of "
+                              f"its replicas get a sample in a step and the others would only wait; lower "
+                              f"{e}.parallel.dp or raise train.global_batch_size")
+
+
 class RayBackend:
     def __init__(self, inputs: RunInputs, dataset_spec: dict[str, Any]) -> None:
         inputs = resolve_worker_gpus(inputs)  # runtime.gpus_per_worker=auto: what the cluster holds
@@ -130,6 +146,7 @@ class RayBackend:
         self.ahead = rt.encoders_ahead if rt.placement == "disaggregated" else 0
         self.trains = {e.name: encoder_trains(cfg, e) for e in family.encoders}  # frozen: no backward at all
         worker = {**{e: EncoderWorker for e in self.encoders}, self.lang: LanguageWorker}
+        check_encoders_fed(cfg, self.encoders)
         check_local_budget(cfg, {m: self.layout[m].size for m in self.modules})
         self.runtime = Runtime(
             {m: GroupSpec(worker[m], self.layout[m].size, kwargs={"collective_timeout_s": rt.collective_timeout_s},
@@ -178,15 +195,17 @@ class RayBackend:
         losses: list[list[tuple[float, int]]] = []  # [round] -> per text replica (head)
         backwards: list[tuple[str, list[Any]]] = []  # encoder backward refs, to surface errors
         p2p = self.data_plane == "p2p"
-        for k in range(len(rounds)):
-            while len(forwards) < len(rounds) and len(forwards) <= k + self.ahead:  # the encoder groups run ahead
-                j = len(forwards)
+        for turn in schedule_turns(len(rounds), plan.window, self.ahead):  # the schedule, as data
+            if turn.kind == "encode":  # every encoder replica encodes its samples of round j
+                j = turn.round
                 for n in ((0, 1) if j == 0 else (j + 1,)):  # the loaders decode a round ahead of the forwards
                     self._prefetch(n, rounds)
                 forwards.append({e: self.group(e).forward.submit(Broadcast(j), list(rounds[j].replicas(e)),
                                                                  *([self._targets(e, rounds[j])] if p2p else []))
                                  for e in self.encoders})
                 pieces.append([] if p2p else self._pieces_for(j, rounds[j]))
+                continue
+            k = turn.round
             metas = {e: forwards[k][e].get() for e in self.encoders}  # a failed forward is the root cause
             if p2p:  # what each text rank receives from which encoder rank: host metadata, no tensors
                 pieces[k] = self._incoming(rounds[k], metas)
@@ -225,16 +244,22 @@ class RayBackend:
         """[text replica r] -> the pieces it needs: one per encoder rank whose replica holds some of its samples."""
         text = rnd.replicas(self.lang)
         out: list[list[Emitted]] = [[] for _ in text]
+        for e, q, enc_ids, r, shared in self._shared(rnd):
+            last = not any(set(text[s]).intersection(enc_ids) for s in range(r + 1, len(text)))
+            for a in self._emitting_ranks(e, q):
+                out[r].append(Emitted(e, a, self.group(e).submit_rank(a, "emit", k, shared, last)))
+        return out
+
+    def _shared(self, rnd: Round) -> Iterator[tuple[str, int, list[int], int, list[int]]]:
+        """(encoder, its replica q, q's samples, text replica r, the samples of r that q encodes), for each pair
+        (q, r) that shares some samples."""
+        text = rnd.replicas(self.lang)
         for e in self.encoders:
             for q, enc_ids in enumerate(rnd.replicas(e)):
                 for r, text_ids in enumerate(text):
                     shared = sorted(set(text_ids).intersection(enc_ids))
-                    if not shared:
-                        continue
-                    last = not any(set(text[s]).intersection(enc_ids) for s in range(r + 1, len(text)))
-                    for a in self._emitting_ranks(e, q):
-                        out[r].append(Emitted(e, a, self.group(e).submit_rank(a, "emit", k, shared, last)))
-        return out
+                    if shared:
+                        yield e, q, list(enc_ids), r, shared
 
     def _prefetch(self, k: int, rounds: tuple[Round, ...]) -> None:
         """Let every encoder rank's loader start on round ``k``'s samples (nothing waits on it: a load's error
@@ -265,19 +290,15 @@ class RayBackend:
     def _incoming(self, rnd: Round, metas: dict[str, list[dict[str, Any]]]) -> list[list[Emitted]]:
         """[text replica r] -> what its ranks receive, one ``Incoming`` per encoder rank that holds rows of its
         samples (rows per sample from that rank's forward, in the order it packs them: ``_targets``)."""
-        text = rnd.replicas(self.lang)
-        out: list[list[Emitted]] = [[] for _ in text]
-        for e in self.encoders:
-            for q, enc_ids in enumerate(rnd.replicas(e)):
-                for r, text_ids in enumerate(text):
-                    shared = sorted(set(text_ids).intersection(enc_ids))
-                    for a in self._emitting_ranks(e, q) if shared else ():
-                        meta = metas[e][a]
-                        rows = tuple((i, meta["rows"][i]) for i in shared if meta["rows"].get(i, 0))
-                        if rows:
-                            reply = tuple(self._global_rank(e, b) for b in self._gradient_ranks(e, q, a))
-                            inc = Incoming(e, self._global_rank(e, a), rows, meta["width"], meta["dtype"], reply)
-                            out[r].append(Emitted(e, a, inc))
+        out: list[list[Emitted]] = [[] for _ in rnd.replicas(self.lang)]
+        for e, q, _, r, shared in self._shared(rnd):
+            for a in self._emitting_ranks(e, q):
+                meta = metas[e][a]
+                rows = tuple((i, meta["rows"][i]) for i in shared if meta["rows"].get(i, 0))
+                if rows:
+                    reply = tuple(self._global_rank(e, b) for b in self._gradient_ranks(e, q, a))
+                    inc = Incoming(e, self._global_rank(e, a), rows, meta["width"], meta["dtype"], reply)
+                    out[r].append(Emitted(e, a, inc))
         return out
 
     def _gradient_ranks(self, module: str, q: int, a: int) -> list[int]:

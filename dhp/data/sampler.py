@@ -14,14 +14,25 @@ batches it would have seen. The plan is keyed by module (``"text"``, ``"vision"`
   with the same greedy on its own costs, with no per-replica count: a replica
   may get several samples, one, or none. Samples without the modality are not
   given to that encoder at all.
+* With an encoder window of W rounds (``encoder_window``), an encoder spreads the
+  samples of W consecutive rounds over its replicas at once: with text TP 4 x DP 1
+  and micro-batch 1 each round holds one sample, and a window of 4 gives each of
+  four vision replicas one (each still encodes it in its own round). The runtime
+  encodes a window's rounds together (``schedule_turns``), so all replicas work at
+  once where a window of 1 would use one of them at a time.
+
+The step's order of work is data too: ``schedule_turns`` lists the turns (encode
+round j, text round k) that the Ray backend submits, in order.
 
 See docs/balancing.md for the cost models and the imbalance metric.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -65,6 +76,7 @@ class StepPlan:
     step: int
     epoch: int
     rounds: tuple[Round, ...]
+    window: int = 1  # rounds whose samples each encoder spread over its replicas at once (``encoder_window``)
 
     @property
     def sample_ids(self) -> list[int]:
@@ -73,12 +85,12 @@ class StepPlan:
     def imbalance(self, costs: Mapping[str, Sequence[float]]) -> dict[str, float]:
         """Per module of ``costs``: how much longer its busiest replica works than the average one.
 
-        For module ``m`` with replicas ``r`` and rounds ``k``, with
-        ``load[k][r] = sum(costs[m][i] for i in round k's replica r)``::
+        For module ``m`` with replicas ``r`` and windows ``w`` of ``self.window`` rounds (one round each
+        without a window), with ``load[w][r] = sum(costs[m][i] for i in window w's rounds of replica r)``::
 
-            imbalance[m] = sum_k max_r load[k][r] / sum_k mean_r load[k][r]
+            imbalance[m] = sum_w max_r load[w][r] / sum_w mean_r load[w][r]
 
-        Replicas wait for each other at every round, so the numerator is the module's
+        Replicas wait for each other at every window, so the numerator is the module's
         busy time for the step and the denominator the time with a perfect split:
         1.0 is perfect, 2.0 means the step takes twice as long as it would balanced.
         A module with no cost at all in the step (no sample carries it) reads 1.0.
@@ -89,10 +101,13 @@ class StepPlan:
 def plan_imbalance(plan: StepPlan, costs: Mapping[str, Sequence[float]]) -> dict[str, float]:
     """``plan.imbalance(costs)``: see :meth:`StepPlan.imbalance` for the definition."""
     out: dict[str, float] = {}
+    w = max(1, plan.window)
+    windows = [plan.rounds[j:j + w] for j in range(0, len(plan.rounds), w)]
     for module, cost in costs.items():
         busiest = ideal = 0.0
-        for rnd in plan.rounds:
-            loads = [sum(float(cost[i]) for i in part) for part in rnd.replicas(module)]
+        for rounds in windows:
+            per_round = [[sum(float(cost[i]) for i in part) for part in rnd.replicas(module)] for rnd in rounds]
+            loads = [sum(col) for col in zip(*per_round, strict=True)]
             if loads:
                 busiest += max(loads)
                 ideal += sum(loads) / len(loads)
@@ -138,6 +153,7 @@ class BatchPlanner:
         micro_batch_size: int,
         seed: int = 0,
         language: str = "text",
+        encoder_window: int = 1,
     ) -> None:
         if language not in costs:
             raise ConfigError(
@@ -179,6 +195,8 @@ class BatchPlanner:
                 f"the dataset has {n} usable samples, fewer than train.global_batch_size "
                 f"({global_batch_size}); lower the batch size or add data"
             )
+        if encoder_window < 1:
+            raise ConfigError(f"the encoder window must be at least one round, got {encoder_window}")
         self.language = language
         self.costs = {m: [float(c) for c in cost] for m, cost in costs.items()}
         self.dp = {m: int(dp[m]) for m in costs}
@@ -188,6 +206,7 @@ class BatchPlanner:
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.n_micro = global_batch_size // per_round
+        self.window = min(encoder_window, self.n_micro)
         self.steps_per_epoch = n // global_batch_size
 
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -203,14 +222,67 @@ class BatchPlanner:
         micro = [
             _balanced_split(part, lm_cost, self.n_micro, self.micro_batch_size) for part in per_replica
         ]  # [replica][round]
+        texts = [tuple(tuple(micro[r][k]) for r in range(lm_dp)) for k in range(self.n_micro)]
         rounds = []
-        for k in range(self.n_micro):
-            text = tuple(tuple(micro[r][k]) for r in range(lm_dp))
-            parts: dict[str, Parts] = {lm: text}
-            round_ids = [i for part in text for i in part]
-            for module in self.encoders:
-                cost = self.costs[module]
-                carried = [i for i in round_ids if cost[i] > 0]
-                parts[module] = tuple(tuple(p) for p in _balanced_split(carried, cost, self.dp[module], None))
-            rounds.append(Round(parts=parts, language=lm))
-        return StepPlan(step=step, epoch=epoch, rounds=tuple(rounds))
+        for w in range(0, self.n_micro, self.window):  # each encoder splits a window's samples at once
+            window = texts[w:w + self.window]
+            replica_of = {m: self._encoder_split(m, [i for text in window for part in text for i in part])
+                          for m in self.encoders}
+            for text in window:
+                parts: dict[str, Parts] = {lm: text}
+                round_ids = sorted(i for part in text for i in part)
+                for module in self.encoders:
+                    mine = [[i for i in round_ids if replica_of[module].get(i) == q] for q in range(self.dp[module])]
+                    parts[module] = tuple(tuple(p) for p in mine)
+                rounds.append(Round(parts=parts, language=lm))
+        return StepPlan(step=step, epoch=epoch, rounds=tuple(rounds), window=self.window)
+
+    def _encoder_split(self, module: str, ids: list[int]) -> dict[int, int]:
+        """Sample id -> the replica of ``module`` that encodes it, for the samples of ``ids`` that carry its
+        modality (balanced on its own costs)."""
+        cost = self.costs[module]
+        carried = [i for i in ids if cost[i] > 0]
+        split = _balanced_split(carried, cost, self.dp[module], None)
+        return {i: q for q, part in enumerate(split) for i in part}
+
+
+def encoder_window(setting: int, placement: str, encoder_dp: Sequence[int], samples_per_round: int,
+                   n_rounds: int) -> int:
+    """How many rounds' samples the encoders spread over their replicas at once (``runtime.encoder_window``).
+
+    A number >= 1 is used as given. 0 (auto): under collocated placement, enough rounds that every replica of
+    the widest encoder can get a sample (``ceil(dp / samples per round)``, at most the step's rounds), so no
+    encoder replica waits while another encodes the only sample of a round; under disaggregated placement 1
+    (the encoder groups already run ``runtime.encoders_ahead`` rounds ahead on their own devices)."""
+    if setting >= 1:
+        return min(setting, n_rounds)
+    if placement != "collocated" or not encoder_dp:
+        return 1
+    return max(1, min(n_rounds, math.ceil(max(encoder_dp) / samples_per_round)))
+
+
+class Turn(NamedTuple):
+    """One call of the step's schedule: ``encode`` round j on every encoder group, or ``text`` round k."""
+
+    kind: Literal["encode", "text"]
+    round: int
+
+
+def schedule_turns(n_rounds: int, window: int = 1, ahead: int = 0) -> tuple[Turn, ...]:
+    """The step's schedule as data: the turns the Ray backend submits, in order (an actor runs its calls in
+    submission order, so this order is what runs).
+
+    Before text round k every round j of k's encoder window is encoded, and every j <= k + ``ahead``: with a
+    window the encoder replicas encode the window's rounds at once (each its own samples), with ``ahead`` the
+    encoders run that many rounds ahead of the text group (disaggregated placement)."""
+    if window < 1 or ahead < 0:
+        raise ValueError(f"schedule_turns: window must be >= 1 and ahead >= 0, got {window} and {ahead}")
+    turns: list[Turn] = []
+    encoded = 0
+    for k in range(n_rounds):
+        window_end = min(n_rounds, (k // window + 1) * window)
+        upto = min(n_rounds, max(k + ahead + 1, window_end))
+        turns.extend(Turn("encode", j) for j in range(encoded, upto))
+        encoded = max(encoded, upto)
+        turns.append(Turn("text", k))
+    return tuple(turns)

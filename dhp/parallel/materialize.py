@@ -452,8 +452,11 @@ def load_by_name(module: nn.Module, source: TensorSource, *, key_of: Callable[[s
             keys = [key_of(n) for n in names]
             key = next((k for k in keys if source.has(k)), None)
             if key is None:
-                raise CheckpointError(f"tensor {keys[0]} (parameter {name} of the {what}) is not in "
-                                      f"{source.where()}")
+                parts = fused_parts(keys[0])
+                missing = [k for k in parts if not source.has(k)] if len(parts) > 1 else []
+                fused = f", fused from {parts}" if missing else ""
+                raise CheckpointError(f"tensor {', '.join(missing) or keys[0]} (parameter {name} of the {what}{fused}) "
+                                      f"is not in {source.where()}")
             used.update(k for k in keys if source.has(k))
             want = tuple(p.shape)
             got = source.shape(key)

@@ -63,9 +63,10 @@ def test_largest_fits_and_next_does_not(searched) -> None:
     r = doc["layouts"]["dhp"]
     peaks = run_distributed(_remeasure, 2, layout_jobs(cfg)["vision"], model_cfg,
                             [r["vision_tokens"], r["first_failed"]], timeout_s=240)
-    for fits, fails in peaks:
-        assert fits <= budget < fails
-        assert fits / GiB == pytest.approx(r["groups"]["vision"]["peak_gb"], rel=0.01)
+    # a group's peak is its largest rank's (as the bench takes it): the SP ranks' peaks need not be equal
+    fits, fails = (max(rank[i] for rank in peaks) for i in range(2))
+    assert fits <= budget < fails
+    assert fits / GiB == pytest.approx(r["groups"]["vision"]["peak_gb"], rel=0.01)
 
 
 def test_sp_trains_longer_vision_sequence_than_data_parallel(searched) -> None:

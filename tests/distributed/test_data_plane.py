@@ -83,3 +83,43 @@ def test_router_bytes_own_rows_and_bfloat16(ray_cluster, base) -> None:
             load = next(s for s in spans if s["phase"] == "load" and s["round"] == 1)
             forward = next(s for s in spans if s["phase"] == "forward" and s["round"] == 0)
             assert load["start"] < forward["end"] and load["end"] is not None
+
+
+def test_collocated_encoder_replicas_work_at_once(ray_cluster, base) -> None:
+    """Collocated vision DP 4 + text TP 2 x DP 1, micro-batch 1: each round holds one sample, so only an encoder
+    window (``runtime.encoder_window``, auto: 4 rounds here) gives every vision replica one; the four replicas'
+    forwards then run at the same time (overlapping spans), and the run equals the reference.
+
+    (Text TP 2: the tiny model's 2 key/value heads allow no more.)"""
+    over = base + ["train.micro_batch_size=1", "train.momentum=0.9"]
+    layout = ["runtime.placement=collocated", "vision.parallel.dp=4", "text.parallel.tp=2"]
+    got, states, plans = run_with_states(over + layout, "ray")
+    ref, ref_states, _ = run_with_states(over, "local")
+    assert [s.loss for s in got] == pytest.approx([s.loss for s in ref], rel=1e-5)
+    assert [s.grad_norm for s in got] == pytest.approx([s.grad_norm for s in ref], rel=1e-4)
+    for m, per_rank in states.items():  # every rank of every group
+        for state in per_rank:
+            assert max((state[k] - ref_states[m][0][k]).abs().max().item() for k in state) < 1e-5, m
+    for plan, step in zip(plans, got, strict=True):
+        assert plan.window == 4 and all(len(r.replicas("text")[0]) == 1 for r in plan.rounds)
+        own_round = {}  # vision replica q -> the round whose sample it encodes
+        for j, rnd in enumerate(plan.rounds):
+            for q, ids in enumerate(rnd.replicas("vision")):
+                if ids:
+                    own_round[q] = j
+        assert sorted(own_round) == [0, 1, 2, 3]  # every replica has a sample (each in a different round)
+        forwards = [next(s for s in step.spans if s["module"] == "vision" and s["rank"] == q
+                         and s["phase"] == "forward" and s["round"] == j) for q, j in own_round.items()]
+        assert max(s["start"] for s in forwards) < min(s["end"] for s in forwards)  # all four at once
+
+
+def run_with_states(overrides: list[str], backend_name: str, steps: int = 2):
+    """Steps' stats, every rank's weights afterwards and the steps' plans."""
+    cfg = load_config(None, overrides + [f"runtime.backend={backend_name}", "runtime.cpus_per_worker=0.5"])
+    run_ = prepare(cfg)
+    backend = make_backend(run_.inputs, run_.dataset, run_.spec)
+    plans = [run_.planner.plan(s) for s in range(steps)]
+    try:
+        return [backend.run_step(p) for p in plans], backend.rank_state_dicts(), plans
+    finally:
+        backend.shutdown()

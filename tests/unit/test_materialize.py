@@ -77,7 +77,7 @@ def test_plain_init_is_by_name_and_chunk_local() -> None:
     other = materialised(text_on_meta(False))
     init_by_name(other, SEED + 1, init_rule, chunk_elems=CHUNK)
     assert not torch.equal(other.embed_tokens.weight, a.embed_tokens.weight)
-    assert not torch.equal(a.layers[0].mlp.gate_proj.weight, a.layers[1].mlp.gate_proj.weight)
+    assert not torch.equal(a.layers[0].mlp.gate_up_proj.weight, a.layers[1].mlp.gate_up_proj.weight)
     assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
     assert torch.equal(a.layers[0].self_attn.q_proj.bias, torch.zeros_like(a.layers[0].self_attn.q_proj.bias))
     assert a.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.05)
@@ -159,8 +159,9 @@ def test_wrong_shape_names_tensor_and_file(checkpoints: dict[bool, str]) -> None
         m = TextModel(cfg.text, cfg.image_token_id)
     materialised(m)
     file = str(Path(checkpoints[False]) / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight in " + re.escape(file) +
-                       r" has shape \[192, 96\].*\[160, 96\]"):
+    # the fused gate/up reads as HF's gate_proj and up_proj concatenated: [2 * 192, 96] against [2 * 160, 96]
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight\|model\.layers\.0\.mlp\."
+                       r"up_proj\.weight in " + re.escape(file) + r" has shape \[384, 96\].*\[320, 96\]"):
         load_by_name(m, SafetensorsSource(checkpoints[False]), key_of=hf_text_key)
 
 
@@ -204,6 +205,21 @@ def _parallelize(module: TextModel, layout: str, meshes: dict[str, Any]) -> None
         apply_fsdp(module, mesh["dp"], list(module.layers), forward_methods=("loss_sum",))
 
 
+def _text_transforms(module: TextModel, layout: str) -> dict[str, Any]:
+    """The layout's non-canonical text parameters (the engine passes the same): under TP the fused gate/up rows
+    grouped by rank."""
+    from dhp.models.qwen2_5_vl.family import language_layout_transforms
+
+    tp = layout in ("tp", "tp_sp", "fsdp2_tp2")
+    par = SimpleNamespace(inner_kind="tp" if tp else None, spec=SimpleNamespace(tp=2 if tp else 1))
+    return language_layout_transforms(module, par)
+
+
+def _canonical(module: nn.Module, transforms: dict[str, Any]) -> dict[str, torch.Tensor]:
+    got = {n: full(p) for n, p in module.named_parameters()}
+    return {n: transforms[n].to_canonical(t) if n in transforms else t for n, t in got.items()}
+
+
 def _sharded_sizes(module: nn.Module) -> dict[str, tuple[int, int]]:
     from dhp.parallel.tensor import local_tensor
 
@@ -221,10 +237,12 @@ def _worker(rank: int, world_size: int, ckpts: dict[bool, str]) -> dict[str, Any
             m = text_on_meta(tie)
             _parallelize(m, layout, meshes)
             materialised(m)
+            transforms = _text_transforms(m, layout)
             with track_materialized() as seen:
-                init_by_name(m, SEED, init_rule, chunk_elems=CHUNK)
-            out[f"init/{layout}/{tie}"] = {n: full(p) for n, p in m.named_parameters()}
+                init_by_name(m, SEED, init_rule, chunk_elems=CHUNK, transforms=transforms)
+            out[f"init/{layout}/{tie}"] = _canonical(m, transforms)
             out[f"init_seen/{layout}/{tie}"] = dict(seen)
+            out[f"transformed/{layout}/{tie}"] = sorted(transforms)
             out[f"sizes/{layout}/{tie}"] = _sharded_sizes(m)
             out[f"tied/{layout}/{tie}"] = m.lm_head.weight is m.embed_tokens.weight
 
@@ -232,9 +250,13 @@ def _worker(rank: int, world_size: int, ckpts: dict[bool, str]) -> dict[str, Any
             _parallelize(m, layout, meshes)
             materialised(m)
             with track_materialized() as seen:
-                load_by_name(m, SafetensorsSource(ckpts[tie]), key_of=hf_text_key)
-            out[f"load/{layout}/{tie}"] = {n: full(p) for n, p in m.named_parameters()}
+                load_by_name(m, SafetensorsSource(ckpts[tie]), key_of=hf_text_key, transforms=transforms)
+            out[f"load/{layout}/{tie}"] = _canonical(m, transforms)
             out[f"load_seen/{layout}/{tie}"] = dict(seen)
+            if layout == "tp" and not tie:  # what this TP rank holds of the fused gate/up, as it is
+                mlp = m.layers[1].mlp.gate_up_proj
+                out["gate_up_local"] = {"weight": mlp.weight.to_local().clone(), "tp_rank": meshes["mesh"]["tp"]
+                                        .get_local_rank()}
     # the vision TP baseline: fused qkv rows in rank order (a layout transform), from init and from HF
     cfg = text_cfg(False)
     for how in ("init", "load"):
@@ -291,13 +313,31 @@ def test_no_rank_materialises_a_whole_sharded_parameter_under_tp2(ranks: list[di
     checked = 0
     for res in ranks:
         sizes, seen = res["sizes/tp/False"], res[f"{what}_seen/tp/False"]
+        transformed = res["transformed/tp/False"]
+        assert len(transformed) == text_cfg(False).text.num_hidden_layers  # every layer's fused gate/up weight
         for name, (numel, local) in sizes.items():
+            if name in transformed:  # a layout transform: made whole (canonical), reordered, then sliced
+                assert seen[name] == numel, name
+                continue
             if local < numel:  # sharded here
                 assert seen.get(name, 0) < numel, (name, seen.get(name), numel)  # zeros and ones: none
                 if what == "load":
                     assert seen[name] == local, name  # exactly its own slice
                 checked += 1
-    assert checked >= 4 * 2 * 7  # every projection of every layer, on both ranks
+    assert checked >= 4 * 2 * 5  # every other projection of every layer (q, k, v, o, down), on both ranks
+
+
+def test_a_tp_rank_holds_its_own_gate_and_up_rows(ranks: list[dict[str, Any]], checkpoints: dict[bool, str]) -> None:
+    """Under TP 2 the fused gate/up a rank holds is [its rows of HF's gate_proj; its rows of up_proj] (Megatron's
+    layout), not a slice across the concatenation (rank 0: gate only)."""
+    hf = load_file(Path(checkpoints[False]) / "model.safetensors")
+    gate, up = hf["model.layers.1.mlp.gate_proj.weight"], hf["model.layers.1.mlp.up_proj.weight"]
+    half = gate.shape[0] // 2
+    for res in ranks:
+        got = res["gate_up_local"]
+        r = got["tp_rank"]
+        want = torch.cat([gate[r * half:(r + 1) * half], up[r * half:(r + 1) * half]])
+        assert torch.equal(got["weight"], want), r
 
 
 @pytest.mark.parametrize("how", ["init", "load"])

@@ -69,8 +69,7 @@ def test_gradients_match_transformers(pair):
     (hf_forward(hf, cfg, ids, pv, grid) * weights).sum().backward()
     hf_params = dict(hf.named_parameters())
     # transformers 5 keeps the modules as model.visual / model.language_model in memory
-    def hf_name(ours: str) -> str:
-        disk = dhp_to_hf_key(ours)
+    def hf_name(disk: str) -> str:
         if disk.startswith("visual."):
             return "model." + disk
         if disk.startswith("model."):
@@ -79,8 +78,10 @@ def test_gradients_match_transformers(pair):
 
     checked = {"visual": 0, "language": 0}
     for name, p in model.named_parameters():
-        ref = hf_params[hf_name(name)].grad
-        assert p.grad is not None and ref is not None, name
+        # a fused gate/up is HF's gate_proj and up_proj ("a|b"), concatenated on dim 0
+        parts = [hf_params[hf_name(disk)].grad for disk in dhp_to_hf_key(name).split("|")]
+        assert p.grad is not None and all(g is not None for g in parts), name
+        ref = torch.cat(parts)
         scale = ref.abs().max().item() + 1e-6
         assert (p.grad - ref).abs().max().item() / scale < 1e-4, name
         checked[name.split(".")[0]] += 1

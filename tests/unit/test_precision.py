@@ -141,8 +141,8 @@ def test_pure_bf16_tracks_fp32_master_and_plain_bf16_drifts(curves):
     curve at every step and it makes the float32 update (within 5 %). Without compensation most updates round
     away: it makes less than half of it, and after 8 steps its loss is more than 0.1 (and 10 times the rounded
     run's largest gap) off."""
-    assert curves["bf16"]["end"]["language.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
-    assert curves["fp32_master"]["end"]["language.layers.0.mlp.up_proj.weight"].dtype == torch.float32
+    assert curves["bf16"]["end"]["language.layers.0.mlp.gate_up_proj.weight"].dtype == torch.bfloat16
+    assert curves["fp32_master"]["end"]["language.layers.0.mlp.gate_up_proj.weight"].dtype == torch.float32
     ref = torch.tensor(curves["fp32_master"]["losses"])
     sr = (torch.tensor(curves["bf16"]["losses"]) - ref).abs()
     plain = (torch.tensor(curves["bf16_plain"]["losses"]) - ref).abs()

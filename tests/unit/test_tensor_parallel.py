@@ -11,12 +11,17 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from dhp.data.batch import PackedMeta
 from dhp.models.qwen2_5_vl import build_model
 from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig, tiny
-from dhp.models.qwen2_5_vl.parallelize import parallelize_text, parallelize_vision_tp, qkv_rows_from_rank_order
+from dhp.models.qwen2_5_vl.parallelize import (
+    parallelize_text,
+    parallelize_vision_tp,
+    qkv_rows_from_rank_order,
+    rows_from_rank_order,
+)
 from dhp.parallel.tensor import check_tp, check_vision_tp, grad_norm_sq
 from tests.dist_utils import run_distributed
 
@@ -70,6 +75,35 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+def tp_size_of(p: torch.Tensor) -> int:
+    """The TP degree a parameter is sharded over: the size of its last mesh dim with a plain ``Shard`` (FSDP2 over
+    TP marks its own dp dim ``_StridedShard``); 1 for a plain tensor. For TP layouts (with or without FSDP)."""
+    if not isinstance(p, DTensor):
+        return 1
+    dims = [i for i, pl in enumerate(p.placements) if type(pl) is Shard]
+    return p.device_mesh.size(dims[-1]) if dims else 1
+
+
+def canonical(name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (the full tensor of parameter ``p``, or of its gradient) in HF's row order: a TP-sharded fused gate/up
+    holds its rows grouped by rank (``FusedColwise``)."""
+    tp = tp_size_of(p)
+    if tp > 1 and name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+        half = t.shape[0] // 2
+        return rows_from_rank_order(t, (half, half), tp)
+    return t
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient, in HF's row order."""
+    return {n: canonical(n, p, full(p.grad)) for n, p in model.named_parameters()}
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, in HF's row order."""
+    return {n: canonical(n, p, full(p)) for n, p in model.named_parameters()}
+
+
 def run_text(model: torch.nn.Module, x: dict[str, torch.Tensor]) -> dict[str, Any]:
     embeds = x["image_embeds"].clone().requires_grad_()
     args = (x["input_ids"], x["position_ids"])
@@ -77,7 +111,7 @@ def run_text(model: torch.nn.Module, x: dict[str, torch.Tensor]) -> dict[str, An
         logits = full(model(*args, x["image_embeds"], x["cu_seqlens"]))
     loss = model.loss_sum(*args, x["targets"], embeds, x["cu_seqlens"])
     loss.backward()
-    grads = {n: full(p.grad) for n, p in model.named_parameters()}
+    grads = full_grads(model)
     out = {"logits": logits, "loss": loss.detach(), "grads": grads, "embeds_grad": embeds.grad,
            "norm_sq": float(grad_norm_sq(model.parameters())), "grad_layouts": grad_layout_mismatches(model)}
     # the same loss over the supervised rows only (host metadata, as the engine passes it): lm_head sees 30 of 40
@@ -85,7 +119,7 @@ def run_text(model: torch.nn.Module, x: dict[str, torch.Tensor]) -> dict[str, An
     embeds = x["image_embeds"].clone().requires_grad_()
     loss = model.loss_sum(*args, x["targets"], embeds, meta=text_meta(x))
     loss.backward()
-    out["labelled"] = {"loss": loss.detach(), "grads": {n: full(p.grad) for n, p in model.named_parameters()},
+    out["labelled"] = {"loss": loss.detach(), "grads": full_grads(model),
                        "embeds_grad": embeds.grad, "grad_layouts": grad_layout_mismatches(model)}
     return out
 
@@ -115,7 +149,7 @@ def grad_layout_mismatches(model: torch.nn.Module) -> list[str]:
 def run_vision(model: torch.nn.Module, x: dict[str, torch.Tensor], tp: int) -> dict[str, Any]:
     out = model(x["pixel_values"], x["grid_thw"])
     (out * x["weight"]).sum().backward()
-    grads = {n: full(p.grad) for n, p in model.named_parameters()}
+    grads = full_grads(model)
     if tp > 1:  # the sharded fused qkv rows are in rank order
         heads = model.cfg.num_heads
         for n in grads:

@@ -8,7 +8,9 @@ spellings load. Only the thinker is read: ``talker.*`` and ``token2wav.*`` tenso
 
 Our modules are ``visual.*``, ``audio.*`` and ``language.*`` (``lm_head`` inside ``language``). One layout
 difference: our vision attention has a fused ``attn.qkv`` where the Omni checkpoint has ``attn.q``, ``attn.k``,
-``attn.v``: they are concatenated on dim 0 (q, k, v) on load and split on save.
+``attn.v``: they are concatenated on dim 0 (q, k, v) on load and split on save. Our SwiGLUs (vision and text)
+hold one fused ``mlp.gate_up_proj`` where the checkpoint has ``mlp.gate_proj`` and ``mlp.up_proj``: the same,
+gate then up (the Qwen2.5-VL adapter's rules).
 """
 
 from __future__ import annotations
@@ -23,8 +25,18 @@ from safetensors import safe_open
 
 from dhp.models.qwen2_5_omni.config import Qwen2_5OmniConfig
 from dhp.models.qwen2_5_omni.model import Qwen2_5OmniThinker
-from dhp.models.qwen2_5_vl.weights import _checkpoint_files, _rebuild_buffers, _rename, load_into
+from dhp.models.qwen2_5_vl.weights import (
+    _checkpoint_files,
+    _rebuild_buffers,
+    _rename,
+    fuse_parts,
+    fused_key,
+    fused_part,
+    load_into,
+    split_names,
+)
 from dhp.models.qwen2_5_vl.weights import save_hf_checkpoint as _save_vl_layout
+from dhp.parallel.materialize import split_fused
 
 # (pattern on a checkpoint key, after any ``thinker.`` prefix, replacement giving our key); first match wins
 _FROM_HF = [
@@ -56,7 +68,7 @@ def hf_to_dhp_key(key: str) -> str | None:
     if ours is None:
         return None
     m = _QKV.match(ours)
-    return f"{m.group(1)}qkv.{m.group(3)}" if m else ours
+    return f"{m.group(1)}qkv.{m.group(3)}" if m else fused_key(ours)
 
 
 def dhp_to_hf_key(key: str) -> str:
@@ -65,10 +77,13 @@ def dhp_to_hf_key(key: str) -> str:
     m = _FUSED.match(key)
     if m:
         return "|".join(f"{m.group(1)}{part}.{m.group(2)}" for part in "qkv")
-    out = _rename(key, _TO_HF)
-    if out is None:
-        raise KeyError(f"no Hugging Face name for parameter {key!r}")
-    return out
+    names = []
+    for name in split_names(key):  # a fused gate/up: gate, then up
+        out = _rename(name, _TO_HF)
+        if out is None:
+            raise KeyError(f"no Hugging Face name for parameter {key!r}")
+        names.append(out)
+    return "|".join(names)
 
 
 def read_hf_config(path: str | Path) -> Qwen2_5OmniConfig:
@@ -85,6 +100,7 @@ def load_hf_state_dict(path: str | Path, keys: Iterable[str] | None = None) -> d
     wanted = None if keys is None else set(keys)
     out: dict[str, torch.Tensor] = {}
     qkv_parts: dict[str, dict[str, torch.Tensor]] = {}  # our fused key -> {"q"|"k"|"v": tensor}
+    mlp_parts: dict[str, dict[str, torch.Tensor]] = {}  # our fused key -> {"gate"|"up": tensor}
     unknown: list[str] = []
     for file in _checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -98,6 +114,8 @@ def load_hf_state_dict(path: str | Path, keys: Iterable[str] | None = None) -> d
                     part = re.search(r"\.attn\.(q|k|v)\.(?:weight|bias)$", hf_key)
                     if _FUSED.match(key) and part:
                         qkv_parts.setdefault(key, {})[part.group(1)] = f.get_tensor(hf_key)
+                    elif fused_part(hf_key):
+                        mlp_parts.setdefault(key, {})[fused_part(hf_key)] = f.get_tensor(hf_key)
                     else:
                         out[key] = f.get_tensor(hf_key)
     if unknown:
@@ -106,7 +124,7 @@ def load_hf_state_dict(path: str | Path, keys: Iterable[str] | None = None) -> d
         if set(parts) != {"q", "k", "v"}:
             raise KeyError(f"{path}: {key} needs attn.q, attn.k and attn.v; found only {sorted(parts)}")
         out[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
-    return out
+    return out | fuse_parts(mlp_parts, str(path))
 
 
 def load_hf_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Qwen2_5OmniThinker:
@@ -124,15 +142,13 @@ def load_hf_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> 
 
 
 def hf_state_dict(model: Qwen2_5OmniThinker) -> dict[str, torch.Tensor]:
-    """Our weights under the keys of a transformers-saved thinker checkpoint (vision qkv split in q, k, v)."""
+    """Our weights under the keys of a transformers-saved thinker checkpoint (vision qkv split in q, k, v, every
+    fused gate/up in gate and up)."""
     out = {}
     for key, tensor in model.state_dict().items():
         if key == "language.lm_head.weight" and model.cfg.text.tie_word_embeddings:
             continue
-        tensor = tensor.detach().cpu()
-        names = dhp_to_hf_key(key).split("|")
-        for name, part in zip(names, tensor.chunk(len(names), dim=0), strict=True):
-            out[name] = part.contiguous()
+        out.update({k: v.contiguous() for k, v in split_fused(dhp_to_hf_key(key), tensor.detach().cpu()).items()})
     return out
 
 

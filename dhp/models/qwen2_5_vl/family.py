@@ -91,9 +91,25 @@ def encode_vision(module: VisionTransformer, samples: list, par: Any,
     return out, shard.merged_index
 
 
+def fused_rows_transform(sizes: Sequence[int], tp: int) -> LayoutTransform:
+    """A fused Linear's rows (parts of ``sizes`` rows) grouped by TP rank (``FusedColwise``) <-> HF order."""
+    from dhp.models.qwen2_5_vl.parallelize import rows_from_rank_order, rows_to_rank_order
+
+    return LayoutTransform(to_canonical=functools.partial(rows_from_rank_order, sizes=tuple(sizes), tp=tp),
+                           from_canonical=functools.partial(rows_to_rank_order, sizes=tuple(sizes), tp=tp))
+
+
+def _gate_up_transforms(module: nn.Module, intermediate_size: int, tp: int) -> dict[str, LayoutTransform]:
+    """The fused gate/up weights (and biases) of every SwiGLU under TP: rows grouped by rank."""
+    transform = fused_rows_transform((intermediate_size, intermediate_size), tp)
+    return {name.replace("._checkpoint_wrapped_module", ""): transform for name, _ in module.named_parameters()
+            if name.endswith(("mlp.gate_up_proj.weight", "mlp.gate_up_proj.bias"))}
+
+
 def vision_layout_transforms(module: nn.Module, par: Any) -> dict[str, LayoutTransform]:
-    """Under the uniform-TP baseline the fused qkv rows are grouped by rank (``FusedQKVColwise``): the global
-    DTensor is not in HF order. Every other layout, and every other parameter, is canonical as it is."""
+    """Under the uniform-TP baseline the fused qkv and gate/up rows are grouped by rank (``FusedQKVColwise``,
+    ``FusedColwise``): the global DTensor is not in HF order. Every other layout, and every other parameter, is
+    canonical as it is."""
     if par.inner_kind != "tp":
         return {}
     from dhp.models.qwen2_5_vl.parallelize import qkv_rows_from_rank_order, qkv_rows_to_rank_order
@@ -101,8 +117,17 @@ def vision_layout_transforms(module: nn.Module, par: Any) -> dict[str, LayoutTra
     heads, tp = module.cfg.num_heads, par.spec.tp
     transform = LayoutTransform(to_canonical=functools.partial(qkv_rows_from_rank_order, num_heads=heads, tp=tp),
                                 from_canonical=functools.partial(qkv_rows_to_rank_order, num_heads=heads, tp=tp))
-    return {name.replace("._checkpoint_wrapped_module", ""): transform for name, _ in module.named_parameters()
-            if name.endswith(("attn.qkv.weight", "attn.qkv.bias"))}
+    qkv = {name.replace("._checkpoint_wrapped_module", ""): transform for name, _ in module.named_parameters()
+           if name.endswith(("attn.qkv.weight", "attn.qkv.bias"))}
+    return qkv | _gate_up_transforms(module, module.cfg.intermediate_size, tp)
+
+
+def language_layout_transforms(module: nn.Module, par: Any) -> dict[str, LayoutTransform]:
+    """Under text TP the fused gate/up rows are grouped by rank (``FusedColwise``); every other parameter, and
+    every other layout, is canonical as it is."""
+    if par.inner_kind != "tp":
+        return {}
+    return _gate_up_transforms(module, module.cfg.intermediate_size, par.spec.tp)
 
 
 def check_vision_layout(model_cfg: Qwen2_5_VLConfig, sp: int, tp: int) -> str | None:
@@ -251,6 +276,7 @@ LANGUAGE = LanguageSpec(
     sequence_parallel=True,
     check_layout=check_text_layout,
     forward_methods=("loss_sum",),
+    layout_transforms=language_layout_transforms,
     reset_buffers=reset_rotary_buffers,
     cost=text_cost,
     flops=text_sample_flops,

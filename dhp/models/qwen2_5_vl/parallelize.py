@@ -10,11 +10,15 @@ Plans are data, ``{module path: ParallelStyle}``, applied with PyTorch's
 ``parallelize_module`` (DTensor) by short functions, as in torchtitan:
 
 text, per decoder layer
-    q/k/v/gate/up  ColwiseParallel          (each rank: whole heads, a slice of the MLP)
+    q/k/v          ColwiseParallel          (each rank: whole heads)
+    gate_up        FusedColwise: the fused [2I, D] weight is [gate; up] on its rows; its rows are re-ordered so
+                   that rank r holds [its gate rows; its up rows] (Megatron's layout), not a slice across the
+                   concatenation
     o/down         RowwiseParallel          (all-reduce back to a full activation)
-    self_attn, mlp ``replicated_input``: q/k/v (and gate/up) take one shared Replicate DTensor, so their input
-                   gradients are summed as DTensors and all-reduced once per sub-layer, as with Megatron's fused
-                   weights: 4 all-reduces per layer and step (2 forward, 2 backward), not 7
+    self_attn      ``replicated_input``: q/k/v take one shared Replicate DTensor, so their input gradients are
+                   summed as DTensors and all-reduced once, as with Megatron's fused qkv weight; the fused
+                   gate_up reduces its one input gradient by itself: 4 all-reduces per layer and step (2
+                   forward, 2 backward), not 7
 text, top level
     embed_tokens   VocabParallelEmbedding: the [V, D] table sharded on the vocabulary (Shard(0)), each rank looks
                    up its own rows on the local shard and one all-reduce (forward only) makes the output a full
@@ -25,8 +29,8 @@ text, top level
 vision, per block
     attn.qkv       FusedQKVColwise: the fused [3C, C] weight is (3, heads, head_dim) on its rows; its rows are
                    re-ordered so that rank r holds q, k and v of heads [r*H/tp, (r+1)*H/tp)
-    attn.proj      RowwiseParallel;   mlp gate/up Colwise (one shared input, ``replicated_input``), down Rowwise:
-                   4 all-reduces per block and step (2 forward, 2 backward), not 5
+    attn.proj      RowwiseParallel;   mlp gate_up FusedColwise (as in text), down Rowwise:
+                   4 all-reduces per block and step (2 forward, 2 backward)
     patch_embed, norms, merger: replicated (plain tensors)
 
 Tied embeddings (``tie_word_embeddings``, the 3B preset) are supported: embed_tokens and lm_head both shard
@@ -34,6 +38,8 @@ their [V, D] weight on the vocabulary (``Shard(0)``), so after the plan they sha
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -136,7 +142,7 @@ def replicated_input(*extra: None) -> PrepareModuleInput:
     )
 
 
-def text_layer_plan() -> dict[str, ParallelStyle]:
+def text_layer_plan(intermediate_size: int) -> dict[str, ParallelStyle]:
     """Per decoder layer: 2 all-reduces forward (o, down) and 2 backward (attention input, MLP input)."""
     return {
         "self_attn": replicated_input(None, None),  # (x, rope, cu_seqlens): q/k/v share one input gradient
@@ -144,9 +150,7 @@ def text_layer_plan() -> dict[str, ParallelStyle]:
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(),
-        "mlp": replicated_input(),  # gate/up share one input gradient
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
+        "mlp.gate_up_proj": FusedColwise((intermediate_size, intermediate_size)),  # one input gradient
         "mlp.down_proj": RowwiseParallel(),
     }
 
@@ -160,7 +164,7 @@ def text_sp_top_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def text_sp_layer_plan() -> dict[str, ParallelStyle]:
+def text_sp_layer_plan(intermediate_size: int) -> dict[str, ParallelStyle]:
     """Megatron SP: norms (and the residual stream) on a sequence shard, attention/MLP on the whole sequence."""
     return {
         "input_layernorm": SequenceParallel(),
@@ -173,8 +177,7 @@ def text_sp_layer_plan() -> dict[str, ParallelStyle]:
         "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
         "post_attention_layernorm": SequenceParallel(),
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
+        "mlp.gate_up_proj": FusedColwise((intermediate_size, intermediate_size)),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
     }
 
@@ -233,10 +236,11 @@ def parallelize_text(model: TextModel, tp_mesh: DeviceMesh, sequence_parallel: b
     tp = _tp_size(tp_mesh)
     check_tp(model.cfg.num_key_value_heads, tp)
     tied = model.lm_head.weight is model.embed_tokens.weight
+    inter = model.cfg.intermediate_size
     if sequence_parallel:
-        top, layer_plan = text_sp_top_plan(), text_sp_layer_plan()
+        top, layer_plan = text_sp_top_plan(), text_sp_layer_plan(inter)
     else:
-        top, layer_plan = text_top_plan(), text_layer_plan()
+        top, layer_plan = text_top_plan(), text_layer_plan(inter)
     parallelize_module(model, tp_mesh, top)
     for layer in model.layers:
         parallelize_module(layer, tp_mesh, layer_plan)
@@ -273,6 +277,48 @@ def qkv_rows_from_rank_order(t: torch.Tensor, num_heads: int, tp: int) -> torch.
     return t.reshape(tp, 3, num_heads // tp, -1, *rest).transpose(0, 1).reshape(t.shape)
 
 
+def rows_to_rank_order(t: torch.Tensor, sizes: Sequence[int], tp: int) -> torch.Tensor:
+    """Rows of a fused weight/bias ``[part 0; part 1; ...]`` (``sizes`` rows each, unequal allowed) to rank order
+    ``[rank 0: its rows of part 0; of part 1; ...][rank 1: ...]``: what each TP rank's contiguous ``Shard(0)``
+    must hold (Megatron's interleaved layout). Every part's row count must be a multiple of ``tp``."""
+    rest = t.shape[1:]
+    parts = t.split(list(sizes))
+    return torch.cat([p.reshape(tp, p.shape[0] // tp, *rest) for p in parts], dim=1).reshape(t.shape)
+
+
+def rows_from_rank_order(t: torch.Tensor, sizes: Sequence[int], tp: int) -> torch.Tensor:
+    """Inverse of ``rows_to_rank_order`` (for a gathered weight or gradient, e.g. to save a checkpoint)."""
+    rest = t.shape[1:]
+    by_rank = t.reshape(tp, t.shape[0] // tp, *rest)
+    return torch.cat([p.reshape(-1, *rest) for p in by_rank.split([n // tp for n in sizes], dim=1)])
+
+
+class FusedColwise(ColwiseParallel):
+    """ColwiseParallel for a Linear whose output rows are several projections concatenated (``sizes`` rows each:
+    gate/up, GQA's q/k/v). Plain ``Shard(0)`` would cut across the concatenation (rank 0: all the gate rows);
+    the rows are first re-ordered by ``rows_to_rank_order``, so each rank's contiguous shard is its own rows of
+    every part, in order, and the module cuts its local output exactly as the unsharded one (in proportion).
+    The DTensor's *global* row order is therefore the rank order (undo with ``rows_from_rank_order``; the
+    family's ``layout_transforms`` say so to checkpoints and init)."""
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        super().__init__()
+        self.sizes = tuple(sizes)
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        tp = device_mesh.size()
+        if any(n % tp for n in self.sizes):
+            raise ValueError(f"tensor parallelism tp={tp} must divide every part of the fused {name or 'Linear'} "
+                             f"(rows {list(self.sizes)})")
+        for pname, param in module.named_parameters(recurse=False):
+            data = rows_to_rank_order(param.detach(), self.sizes, tp)
+            dist_param = nn.Parameter(
+                distribute_tensor(data, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(pname, dist_param)
+
+
 class FusedQKVColwise(ColwiseParallel):
     """ColwiseParallel for a fused qkv Linear whose output rows are (3, heads, head_dim).
 
@@ -297,14 +343,12 @@ class FusedQKVColwise(ColwiseParallel):
             module.register_parameter(pname, dist_param)
 
 
-def vision_block_plan(num_heads: int) -> dict[str, ParallelStyle]:
-    """Per block: 2 all-reduces forward (proj, down) and 2 backward (the fused qkv's input, the MLP's input)."""
+def vision_block_plan(num_heads: int, intermediate_size: int) -> dict[str, ParallelStyle]:
+    """Per block: 2 all-reduces forward (proj, down) and 2 backward (the fused qkv's input, the fused gate/up's)."""
     return {
         "attn.qkv": FusedQKVColwise(num_heads),
         "attn.proj": RowwiseParallel(),
-        "mlp": replicated_input(),  # gate/up share one input gradient (else 3 backward all-reduces per block)
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
+        "mlp.gate_up_proj": FusedColwise((intermediate_size, intermediate_size)),
         "mlp.down_proj": RowwiseParallel(),
     }
 
@@ -316,5 +360,5 @@ def parallelize_vision_tp(model: VisionTransformer, tp_mesh: DeviceMesh) -> None
     heads = model.cfg.num_heads
     check_vision_tp(heads, tp)
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, vision_block_plan(heads))
+        parallelize_module(block, tp_mesh, vision_block_plan(heads, model.cfg.intermediate_size))
         block.attn.num_heads = heads // tp  # the attention views the local qkv output with the local head count

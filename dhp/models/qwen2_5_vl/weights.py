@@ -5,6 +5,11 @@ On disk (the published Qwen2.5-VL layout, which transformers reads and writes):
 transformers 5 keeps them in memory as ``model.visual.*`` / ``model.language_model.*``;
 both spellings are accepted on load. Our modules are ``visual.*`` and ``language.*``
 (``lm_head`` lives inside ``language``, since the text group owns it).
+
+Fused projections: our SwiGLU holds one ``mlp.gate_up_proj`` (rows ``[gate; up]``) where a checkpoint holds
+``mlp.gate_proj`` and ``mlp.up_proj``. On load the two are concatenated on dim 0; on export the fused tensor
+is cut in its two halves; ``dhp_to_hf_key`` names a fused parameter as its parts joined by ``|``
+(``dhp.parallel.materialize.FUSED``), which the shard-local loader and the checkpoint export read and write.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from dhp.models.qwen2_5_vl.model import Qwen2_5_VL
 from dhp.models.qwen2_5_vl.text import MRotary
 from dhp.models.qwen2_5_vl.vision import VisionRotary
+from dhp.parallel.materialize import split_fused
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -41,6 +47,11 @@ _TO_HF = [
 ]
 
 
+_PARTS = re.compile(r"^(.*\.mlp\.)(gate|up)_proj\.(weight|bias)$")  # a part of a fused tensor (our prefixes)
+_FUSED = re.compile(r"^(.*\.mlp\.)gate_up_proj\.(weight|bias)$")  # our fused tensor
+FUSED_PARTS = ("gate", "up")  # the order of the parts on dim 0
+
+
 def _rename(key: str, rules: list[tuple[str, str]]) -> str | None:
     for pattern, repl in rules:
         if re.match(pattern, key):
@@ -49,13 +60,50 @@ def _rename(key: str, rules: list[tuple[str, str]]) -> str | None:
 
 
 def hf_to_dhp_key(key: str) -> str | None:
-    return _rename(key, _FROM_HF)
+    """Our name of a checkpoint key; ``mlp.gate_proj``/``mlp.up_proj`` both map to our fused ``mlp.gate_up_proj``."""
+    return fused_key(_rename(key, _FROM_HF))
+
+
+def fused_key(key: str | None) -> str | None:
+    """Our-prefixed ``...mlp.gate_proj.weight`` (or ``up_proj``, or a bias) -> ``...mlp.gate_up_proj.weight``."""
+    m = None if key is None else _PARTS.match(key)
+    return f"{m.group(1)}gate_up_proj.{m.group(3)}" if m else key
+
+
+def fused_part(key: str) -> str | None:
+    """Which part (``gate``/``up``) of a fused tensor a checkpoint key (or our-prefixed one) is, else None."""
+    m = _PARTS.match(key)
+    return m.group(2) if m else None
+
+
+def split_names(key: str) -> list[str]:
+    """Our-prefixed names of the parts behind one of our keys, in dim-0 order: the key itself, unless fused."""
+    m = _FUSED.match(key)
+    return [f"{m.group(1)}{part}_proj.{m.group(2)}" for part in FUSED_PARTS] if m else [key]
 
 
 def dhp_to_hf_key(key: str) -> str:
-    out = _rename(key, _TO_HF)
-    if out is None:
-        raise KeyError(f"no Hugging Face name for parameter {key!r}")
+    """The checkpoint key of one of our parameters; a fused gate/up maps to its parts joined by ``|``
+    (gate, up: concatenated on dim 0)."""
+    names = []
+    for name in split_names(key):
+        out = _rename(name, _TO_HF)
+        if out is None:
+            raise KeyError(f"no Hugging Face name for parameter {key!r}")
+        names.append(out)
+    return "|".join(names)
+
+
+def fuse_parts(parts: dict[str, dict[str, torch.Tensor]], source: str) -> dict[str, torch.Tensor]:
+    """``{our fused key: {part: tensor}}`` -> ``{our fused key: the parts concatenated on dim 0}``; a fused key
+    missing a part is an error naming it."""
+    out = {}
+    for key, got in parts.items():
+        missing = [p for p in FUSED_PARTS if p not in got]
+        if missing:
+            raise KeyError(f"{source}: {key} needs {[n.rsplit('.', 2)[-2] for n in split_names(key)]}; "
+                           f"{', '.join(missing)} is missing")
+        out[key] = torch.cat([got[p] for p in FUSED_PARTS], dim=0)
     return out
 
 
@@ -81,6 +129,7 @@ def load_hf_state_dict(path: str | Path, keys: Iterable[str] | None = None) -> d
     path = Path(path)
     wanted = None if keys is None else set(keys)
     out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # our fused key -> {"gate"|"up": tensor}
     unknown: list[str] = []
     for file in _checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -89,10 +138,14 @@ def load_hf_state_dict(path: str | Path, keys: Iterable[str] | None = None) -> d
                 if key is None:
                     unknown.append(hf_key)
                 elif wanted is None or key in wanted:
-                    out[key] = f.get_tensor(hf_key)
+                    part = fused_part(hf_key)
+                    if part:
+                        parts.setdefault(key, {})[part] = f.get_tensor(hf_key)
+                    else:
+                        out[key] = f.get_tensor(hf_key)
     if unknown:
         raise KeyError(f"{path}: checkpoint keys that are not part of Qwen2.5-VL: {sorted(unknown)}")
-    return out
+    return out | fuse_parts(parts, str(path))
 
 
 def load_hf_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Qwen2_5_VL:
@@ -130,11 +183,12 @@ def _rebuild_buffers(model: Qwen2_5_VL) -> None:
 
 
 def hf_state_dict(model: Qwen2_5_VL) -> dict[str, torch.Tensor]:
+    """Our weights under HF's keys (a fused gate/up cut in its parts)."""
     out = {}
     for key, tensor in model.state_dict().items():
         if key == "language.lm_head.weight" and model.cfg.text.tie_word_embeddings:
             continue
-        out[dhp_to_hf_key(key)] = tensor.detach().contiguous().cpu()
+        out.update({k: v.contiguous() for k, v in split_fused(dhp_to_hf_key(key), tensor.detach().cpu()).items()})
     return out
 
 
