@@ -88,7 +88,7 @@ def test_router_bytes_own_rows_and_bfloat16(ray_cluster, base) -> None:
 def test_collocated_encoder_replicas_work_at_once(ray_cluster, base) -> None:
     """Collocated vision DP 4 + text TP 2 x DP 1, micro-batch 1: each round holds one sample, so only an encoder
     window (``runtime.encoder_window``, auto: 4 rounds here) gives every vision replica one; the four replicas'
-    forwards then run at the same time (overlapping spans), and the run equals the reference.
+    forwards then all start before the first text round ends, and the run equals the reference.
 
     (Text TP 2: the tiny model's 2 key/value heads allow no more.)"""
     over = base + ["train.micro_batch_size=1", "train.momentum=0.9"]
@@ -110,7 +110,12 @@ def test_collocated_encoder_replicas_work_at_once(ray_cluster, base) -> None:
         assert sorted(own_round) == [0, 1, 2, 3]  # every replica has a sample (each in a different round)
         forwards = [next(s for s in step.spans if s["module"] == "vision" and s["rank"] == q
                          and s["phase"] == "forward" and s["round"] == j) for q, j in own_round.items()]
-        assert max(s["start"] for s in forwards) < min(s["end"] for s in forwards)  # all four at once
+        # none waits for a text round: all four are in flight before the step's first text round is done (one
+        # round at a time, replica q's forward would start after text round q-1 ended). Whether the four spans
+        # also overlap each other depends on how the two shared cores are scheduled, so it is not asserted.
+        first_text_end = min(s["end"] for s in step.spans if s["module"] == "text"
+                             and s["phase"] == "forward_backward")
+        assert all(s["start"] < first_text_end for s in forwards)
 
 
 def run_with_states(overrides: list[str], backend_name: str, steps: int = 2):
