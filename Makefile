@@ -29,11 +29,12 @@ lint: venv
 	$(VENV)/bin/ruff check dhp tests benchmarks
 
 # The suite mostly waits (Ray actors and gloo ranks starting, one process each): three pytest workers keep the
-# two cores of the development machine busy. `make test TEST_WORKERS=0` runs it in one process.
+# two cores of the development machine busy. `make test TEST_WORKERS=0` runs it in one process. loadgroup: as load,
+# but the tests marked xdist_group(name) share one worker (test_cluster.py: one simulated multi-node Ray cluster).
 TEST_WORKERS ?= 3
 
 test: venv lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist load tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 clean:
 	rm -rf $(VENV) outputs

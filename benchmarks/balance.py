@@ -17,8 +17,9 @@ forward only, one thread) and the same metric is taken over measured busy times.
 
     .venv/bin/python benchmarks/balance.py [--steps 20] [--measure-steps 20] [--big-patches 2048]
 
-The cost models are the Qwen2.5-VL family's own (``vision_flops``, ``text_flops`` in
-``dhp/models/qwen2_5_vl/family.py``): the same functions ``dhp train`` balances with.
+The cost models are the Qwen2.5-VL family's own: the forward part of its model FLOPs (``vision_flops``,
+``text_flops`` in ``dhp/models/qwen2_5_vl/flops.py``), what ``Module.cost`` gives ``dhp train`` to balance
+with and what MFU counts.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 from dhp.data.sampler import BatchPlanner, StepPlan
 from dhp.models.qwen2_5_vl.config import PRESETS, tiny
-from dhp.models.qwen2_5_vl.family import text_flops, vision_flops
+from dhp.models.qwen2_5_vl.flops import text_flops, vision_flops
 from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_weights
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
@@ -135,9 +136,9 @@ def main() -> None:
     grids, tokens = skewed_set(args.samples, args.big, args.small, args.big_patches, args.seed)
     real, small = PRESETS["7b"](), tiny()
     tok = [float(t) for t in tokens]
-    v_real = [sum(vision_flops([g], real.vision) for g in gs) for gs in grids]
-    t_real = [text_flops(t, real.text) for t in tokens]
-    v_tiny = [sum(vision_flops([g], small.vision) for g in gs) for gs in grids]
+    v_real = [vision_flops(gs, real.vision)[0] for gs in grids]  # forward FLOPs: what the groups balance
+    t_real = [text_flops([t], real.text)[0] for t in tokens]
+    v_tiny = [vision_flops(gs, small.vision)[0] for gs in grids]
     dp = {"text": args.text_dp, "vision": args.vision_dp}
     n_big = sum(1 for gs in grids for t, h, w in gs if t * h * w == args.big_patches)
     big_shape = next((g for gs in grids for g in gs if g[0] * g[1] * g[2] == args.big_patches), None)

@@ -9,7 +9,7 @@
 4. CUDA IPC between two processes (the collocated transport) vs a host round trip.
 5. MFU (issue 12): the language model at 3B width on 8k tokens packed from several samples, and the vision
    encoder at its real width on 16k patches, forward + backward in bfloat16 autocast (float32 master weights,
-   as the engines train), against the device table's peak (``dhp.plan.devices``). Model FLOPs are the closed
+   as the engines train), against the device table's peak (``dhp.observe.devices``). Model FLOPs are the closed
    forms of ``dhp.models.qwen2_5_vl.flops`` (checked against FlopCounterMode by tests/unit/test_flops.py).
 0. Issue 22 (``hotpath``, first): one Qwen2.5-VL-32B text layer at its TP 8 local shape (16k tokens in 4k
    samples) and one full-attention vision block at 16k and 64k patches, each as eager or compiled, SDPA-packed or
@@ -221,7 +221,7 @@ def _peak_flops() -> tuple[float, str]:
     name = torch.cuda.get_device_name(0)
     peak = device_peak(name)
     if peak is None:  # not in the table: say so, measure against the H100/H200 figure
-        return 989e12, f"{name} not in dhp.plan.devices; 989 TFLOP/s assumed"
+        return 989e12, f"{name} not in dhp.observe.devices; 989 TFLOP/s assumed"
     return peak.flops, peak.label
 
 
@@ -362,7 +362,7 @@ def _text_layer_local(preset_name: str, tp: int):
     q, kv, i = cfg.num_attention_heads // tp * hd, cfg.num_key_value_heads // tp * hd, cfg.intermediate_size // tp
     layer = DecoderLayer(cfg)
     attn, mlp = layer.self_attn, layer.mlp
-    attn.q_proj, attn.k_proj, attn.v_proj = nn.Linear(c, q), nn.Linear(c, kv), nn.Linear(c, kv)
+    attn.qkv_proj = nn.Linear(c, q + 2 * kv)  # [q; k; v] of this rank's heads, as the fused TP shard holds them
     attn.o_proj = nn.Linear(q, c, bias=False)
     mlp.gate_up_proj = nn.Linear(c, 2 * i, bias=False)  # [gate; up], as SwiGLU fuses them
     mlp.down_proj = nn.Linear(i, c, bias=False)
@@ -397,7 +397,7 @@ def _segments(bounds: list[int], kernel: str):
     """The boundaries as the model's attention selection takes them (``Segments`` with its kernel), or a tensor
     where that selection is not there (then the model's default kernel runs)."""
     try:
-        from dhp.models.layers import Segments
+        from dhp.ops.attention import Segments
     except ImportError:
         return torch.tensor(bounds)
     return Segments(bounds, kernel)
@@ -564,7 +564,7 @@ def hotpath(results: dict, device: str, preset_name: str, text_tokens: int, patc
 
 def _varlen_available() -> bool:
     try:
-        from dhp.models.layers import varlen_kernel
+        from dhp.ops.attention import varlen_kernel
     except ImportError:
         return False
     return varlen_kernel() is not None

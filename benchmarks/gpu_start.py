@@ -34,8 +34,8 @@ def main() -> None:
             torch.cuda.synchronize()
     from dhp.engine import materialize
     from dhp.models.registry import get_family
+    from dhp.observe.devices import detect_device
     from dhp.parallel.sharding import apply_activation_checkpointing
-    from dhp.plan.devices import detect_device
 
     out: dict = {"preset": args.preset, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     family = get_family("qwen2_5_vl")

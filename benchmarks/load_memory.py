@@ -15,7 +15,7 @@ Cases (each a fresh subprocess, peak = ``VmHWM`` of /proc/self/status, ``base`` 
   initialised, the checkpoint's text tensors read whole, ``load_state_dict`` (a lower bound of the old per-rank
   peak under TP 2, which then also made the sharded copies);
 - ``driver``: ``resolve_inputs`` from ``model.hf_path`` for a small and the large checkpoint, now and with the
-  old driver line (``family.load_hf_state``) added, its tensors read once (as shipping them to workers did).
+  old driver line (``family.weights.load_hf``) added, its tensors read once (as shipping them to workers did).
 
     python benchmarks/load_memory.py [--out outputs/bench/load_memory.json] [--keep DIR]
 """
@@ -57,8 +57,9 @@ def text_config(size: str):
 def model_config(size: str, tokenizer_dir: Path):
     from dhp.data.tokenizer import Tokenizer
     from dhp.models.qwen2_5_vl.config import tiny
+    from dhp.models.qwen2_5_vl.processor import vision_token_ids
 
-    base = tiny(**Tokenizer(tokenizer_dir).special_token_ids())
+    base = tiny(**vision_token_ids(Tokenizer(tokenizer_dir)))
     text = text_config(size)
     return replace(base, vision=replace(base.vision, out_hidden_size=text.hidden_size), text=text)
 
@@ -68,7 +69,8 @@ def write_checkpoint(cfg, out: Path, shard_bytes: int = GIB) -> int:
     from safetensors.torch import save_file
 
     from dhp.models.qwen2_5_vl.model import Qwen2_5_VL
-    from dhp.models.qwen2_5_vl.weights import INDEX_FILE, dhp_to_hf_key
+    from dhp.models.qwen2_5_vl.weights import WEIGHTS
+    from dhp.parallel.materialize import INDEX_FILE
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict() | {"dtype": "bfloat16"}, indent=2))
@@ -89,7 +91,7 @@ def write_checkpoint(cfg, out: Path, shard_bytes: int = GIB) -> int:
 
     for n, shape in names:
         t = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
-        shard[dhp_to_hf_key(n)] = t
+        shard.update(WEIGHTS.to_hf(n, t, cfg))  # fused q/k/v and gate/up: their HF parts
         size += t.numel() * 2
         total += t.numel()
         if size >= shard_bytes:
@@ -188,7 +190,7 @@ def case_driver(ckpt: str, data: str, old: bool) -> dict[str, Any]:
     inputs = resolve_inputs(cfg)
     if old:  # the driver line before issue 9; its tensors are file-backed until read, and shipping them to the
         # workers (Ray's object store) reads every byte: touch each once, as that serialisation would
-        state = inputs.family.load_hf_state(cfg.model.hf_path)
+        state = inputs.family.weights.load_hf(cfg.model.hf_path)
         for t in state.values():
             t.view(-1)[:: max(1, 4096 // t.element_size())].sum()  # one element per page
     return {"base": base, "peak": peak(), "driver_read_weights": old}

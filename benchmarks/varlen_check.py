@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dhp.models.layers import Segments, attention_kernel, packed_attention, varlen_kernel
+from dhp.ops.attention import Segments, attention_kernel, packed_attention, varlen_kernel
 
 TOLERANCE = 2e-2  # bfloat16 (8 bits of mantissa): both kernels accumulate in float32, round their output to bf16
 

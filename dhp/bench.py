@@ -29,13 +29,12 @@ training step keeps every worker within G (``run_max_vision_tokens``), beside th
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 from typing import TYPE_CHECKING, Any
 
 from dhp.config import Config, ConfigError, load_config
+from dhp.plan.search import Growth, grow
 
 if TYPE_CHECKING:
     from dhp.plan.measure import GroupJob
@@ -129,15 +128,20 @@ def summarize(rows: list[dict], warmup: int, modules: list[str]) -> dict[str, An
 
 def run_bench(config: str | Path | None, overrides: list[str], layouts: dict[str, list[str]], steps: int,
               warmup: int) -> dict[str, Any]:
-    """Train every layout in turn; write ``output.dir/bench.json`` and the charts; return the results."""
+    """Train every layout in turn; write ``output.dir/bench.json`` and the charts; return the results. Each
+    layout's config is read once, and all are checked before any runs."""
     from dhp.train import train
 
-    overrides = fit_to_machine(config, overrides, layouts)
     base = load_config(config, overrides)
     out = Path(base.output.dir)
-    results: dict[str, Any] = {"steps": steps, "warmup": warmup, "overrides": overrides, "layouts": {}}
     cfgs = {name: layout_config(config, overrides, layout, name, out, steps, warmup)
-            for name, layout in layouts.items()}  # every layout's config is checked before any runs
+            for name, layout in layouts.items()}
+    share = machine_share(base, list(cfgs.values()), overrides)
+    if share is not None:
+        for cfg in cfgs.values():
+            cfg.runtime.cpus_per_worker = share
+        overrides = [*overrides, f"runtime.cpus_per_worker={share:g}"]
+    results: dict[str, Any] = {"steps": steps, "warmup": warmup, "overrides": overrides, "layouts": {}}
     for name, cfg in cfgs.items():
         print(f"dhp bench: layout {name}: {' '.join(layouts[name])}", flush=True)
         train(cfg)
@@ -162,28 +166,34 @@ def run_bench(config: str | Path | None, overrides: list[str], layouts: dict[str
     return results
 
 
-def fit_to_machine(config: str | Path | None, overrides: list[str], layouts: dict[str, list[str]],
-                   cpus: int | None = None) -> list[str]:
-    """``overrides`` with ``runtime.cpus_per_worker`` lowered so that the largest layout fits this machine's CPUs,
-    as the demo's config fits its two workers on two cores; said before Ray starts. Left as is when the user set
-    the key on the command line, or the run joins a Ray cluster (whose resources are its own)."""
+def machine_share(base: Config, cfgs: list[Config], overrides: list[str], cpus: int | None = None) -> float | None:
+    """The ``runtime.cpus_per_worker`` that fits the largest layout on this machine's CPUs, as the demo's config
+    fits its two workers on two cores, said before Ray starts; None: leave it (the user set the key on the
+    command line, the run joins a Ray cluster whose resources are its own, or the layouts fit as they are)."""
     import os
 
     if any(o.split("=", 1)[0].strip() == "runtime.cpus_per_worker" for o in overrides):
-        return overrides
-    base = load_config(config, overrides, check_files=False)
+        return None
     if base.runtime.ray_address or os.environ.get("RAY_ADDRESS"):
-        return overrides
+        return None
     cpus = cpus if cpus is not None else (os.cpu_count() or 1)
-    workers = max(sum(p.dp * p.sp * p.tp for p in (m.parallel for m in cfg.modules.values()))
-                  for cfg in (load_config(config, [*overrides, *layout], check_files=False)
-                              for layout in layouts.values()))
+    workers = max(sum(p.dp * p.sp * p.tp for p in (m.parallel for m in cfg.modules.values())) for cfg in cfgs)
     if workers * base.runtime.cpus_per_worker <= cpus + 1e-9:
-        return overrides
+        return None
     share = cpus / workers
     print(f"dhp bench: {workers} workers per layout on this machine's {cpus} CPUs: "
           f"runtime.cpus_per_worker={share:g} (was {base.runtime.cpus_per_worker:g}; set it to choose)", flush=True)
-    return [*overrides, f"runtime.cpus_per_worker={share:g}"]
+    return share
+
+
+def fit_to_machine(config: str | Path | None, overrides: list[str], layouts: dict[str, list[str]],
+                   cpus: int | None = None) -> list[str]:
+    """``overrides`` with ``runtime.cpus_per_worker`` lowered so that the largest layout fits this machine's CPUs
+    (``machine_share``), from the layouts' configs read without their files checked."""
+    base = load_config(config, overrides, check_files=False)
+    cfgs = [load_config(config, [*overrides, *layout], check_files=False) for layout in layouts.values()]
+    share = machine_share(base, cfgs, overrides, cpus)
+    return overrides if share is None else [*overrides, f"runtime.cpus_per_worker={share:g}"]
 
 
 def print_table(results: dict[str, Any]) -> None:
@@ -249,65 +259,33 @@ def plot_bench(results: dict[str, Any], out: Path) -> list[Path]:
 
 SHORT_TEXT = 64  # text tokens of the probe's sample besides the image's placeholders
 RAM_HEADROOM = 3  # a probe may overshoot the budget (doubling: up to 2x), plus the process itself
+SEARCHED = "vision"  # the encoder whose media --max-vision-tokens grows (a sample of one image)
 
 
-@dataclass
-class Growth:
-    """One search: the largest size that fit, the first that did not (None: none / the cap fit), the probes."""
+def layout_jobs(cfg: Config, family: Any = None) -> dict[str, GroupJob]:
+    """The planner's jobs (one per module group) of a layout's config, one sample of ``SHORT_TEXT`` text tokens
+    (the searched media are set per probe; another encoder's group gets none: it runs no micro-batch)."""
+    from dhp.models.registry import resolve_family
+    from dhp.plan.planner import config_jobs
 
-    largest: int | None
-    first_failed: int | None
-    probes: list[tuple[int, int]] = field(default_factory=list)  # (vision tokens, peak bytes of the group)
-
-
-def grow(probe: Callable[[int], int], budget: int, start: int, stop: int, step: int) -> Growth:
-    """Double from ``start`` (the last probe capped at ``stop``) while the peak stays within ``budget``,
-    then bisect between the last fit and the first failure until they are ``step`` apart. Every size is a
-    multiple of ``step`` when ``start`` and ``stop`` are; memory is taken as growing with the size (the
-    probes are recorded, so a reader can check)."""
-    out = Growth(None, None)
-
-    def fits(n: int) -> bool:
-        peak = probe(n)
-        out.probes.append((n, peak))
-        return peak <= budget
-
-    n = start
-    while True:
-        if not fits(n):
-            out.first_failed = n
-            break
-        out.largest = n
-        if n >= stop:
-            return out
-        n = min(2 * n, stop)
-    while out.largest is not None and out.first_failed - out.largest > step:
-        mid = out.largest + step * max(1, (out.first_failed - out.largest) // step // 2)
-        if fits(mid):
-            out.largest = mid
-        else:
-            out.first_failed = mid
-    return out
+    family = family or resolve_family(cfg.model.family, cfg.model.hf_path, cfg.model.preset)
+    try:
+        return config_jobs(cfg, family, {}, SHORT_TEXT, device="cpu")
+    except ValueError as e:
+        raise ConfigError(f"--max-vision-tokens: {e}") from None
 
 
-def layout_jobs(cfg: Config) -> dict[str, GroupJob]:
-    """The planner's jobs (one per module group) of a layout's config, one sample of one image each."""
-    from dhp.plan.measure import GroupJob
+def media_per_token(family: Any, model_cfg: Any, encoder: str = SEARCHED, probe: int = 4096) -> int:
+    """The encoder's input tokens per placeholder token of the language model (Qwen's vision: 4 patches per merged
+    token), read off the family's synthetic sample."""
+    from dhp.plan.measure import GroupJob, synthetic_samples
 
-    jobs = {}
-    for name in cfg.modules:
-        if name not in ("vision", "text"):
-            raise ConfigError(f"--max-vision-tokens: the {name} group is not measured (vision and text only)")
-        m = cfg.module(name)
-        p = m.parallel
-        if p.sp > 1 and p.tp > 1:
-            raise ConfigError(f"--max-vision-tokens: {name}.parallel has sp {p.sp} and tp {p.tp}; one of them")
-        inner, kind = (p.sp, "sp") if p.sp > 1 else (p.tp, "tp") if p.tp > 1 else (1, "none")
-        jobs[name] = GroupJob(name, dp=p.dp, inner=inner, inner_kind=kind, zero=p.zero,
-                              activation_checkpointing=m.activation_checkpointing, text_tokens=SHORT_TEXT,
-                              micro_batch_size=1, device="cpu", dtype=cfg.train.dtype, optimizer=cfg.train.optimizer,
-                              precision=cfg.train.precision)
-    return jobs
+    (s,) = synthetic_samples(GroupJob(encoder, media=((encoder, probe),), text_tokens=0), model_cfg, family)
+    n = family.module(encoder).num_placeholders(s, model_cfg)
+    if n < 1 or probe % n:
+        raise ConfigError(f"--max-vision-tokens: the {encoder} encoder's {probe} input tokens fill {n} placeholders; "
+                          "its sizes are not a whole number of input tokens per placeholder")
+    return probe // n
 
 
 def check_max_tokens_args(budget_gb: float | None, start: int, stop: int, step: int | None = None) -> None:
@@ -354,7 +332,7 @@ def _free_port() -> int:
 
 
 def _search_rank(rank: int, world: int, port: int, out: str, job: GroupJob, model_cfg: Any, family: str,
-                 budget: int, start: int, stop: int, step: int) -> None:
+                 budget: int, start: int, stop: int, step: int, unit: int) -> None:
     """One rank of a group's search (a spawned process in a gloo group of the group's size): every probe is
     ``measure(fake=False)`` on real tensors; the group's peak is the largest rank's (all-reduced), so every
     rank takes the same next size."""
@@ -365,17 +343,20 @@ def _search_rank(rank: int, world: int, port: int, out: str, job: GroupJob, mode
     import torch
     import torch.distributed as dist
 
+    from dhp.lifetime import exit_with_parent
     from dhp.models.registry import get_family
-    from dhp.plan.measure import measure
+    from dhp.plan.measure import measure, media_of
+
+    exit_with_parent()  # a killed `dhp bench` leaves no rank behind
 
     torch.set_num_threads(1)  # the group's ranks share the machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(minutes=10))
     try:
-        spec, unit = get_family(family), model_cfg.vision.merge_unit
+        spec = get_family(family)
 
         def probe(tokens: int) -> int:
-            r = measure(replace(job, vision_tokens=tokens * unit), model_cfg, spec, fake=False)
+            r = measure(replace(job, media=media_of({SEARCHED: tokens * unit})), model_cfg, spec, fake=False)
             peak = torch.tensor([r.peak], dtype=torch.int64)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             return int(peak.item())
@@ -391,7 +372,7 @@ def _search_rank(rank: int, world: int, port: int, out: str, job: GroupJob, mode
 
 
 def search_group(job: GroupJob, model_cfg: Any, family: str, budget: int, start: int, stop: int,
-                 step: int) -> Growth:
+                 step: int, unit: int) -> Growth:
     """``grow`` over one group, run by ``job.ranks`` fresh processes in a real gloo group."""
     import tempfile
 
@@ -400,7 +381,7 @@ def search_group(job: GroupJob, model_cfg: Any, family: str, budget: int, start:
     with tempfile.TemporaryDirectory(prefix="dhp-maxtok-") as d:
         out = str(Path(d) / "growth.json")
         mp.start_processes(_search_rank, args=(job.ranks, _free_port(), out, job, model_cfg, family, budget, start,
-                                               stop, step), nprocs=job.ranks, join=True, start_method="spawn")
+                                               stop, step, unit), nprocs=job.ranks, join=True, start_method="spawn")
         doc = json.loads(Path(out).read_text())
     return Growth(doc["largest"], doc["first_failed"], [tuple(p) for p in doc["probes"]])
 
@@ -414,16 +395,16 @@ def _combine(searches: dict[str, Growth]) -> tuple[int | None, int | None]:
 
 
 def measured_max_tokens(jobs: dict[str, GroupJob], model_cfg: Any, family: str, budget: int, start: int, stop: int,
-                        step: int) -> dict[str, Any]:
-    """The groups one after another (vision first); a later group searches only up to what the earlier ones
-    allow (a larger image could not train anyway). A group whose peak at the layout's largest was not among
-    its probes gets one more probe there, so every group's peak at the answer is a measurement."""
+                        step: int, unit: int) -> dict[str, Any]:
+    """The groups one after another (the searched encoder's first); a later group searches only up to what the
+    earlier ones allow (a larger image could not train anyway). A group whose peak at the layout's largest was
+    not among its probes gets one more probe there, so every group's peak at the answer is a measurement."""
     searches: dict[str, Growth] = {}
     cap = stop
-    for name in sorted(jobs, key=lambda m: m != "vision"):
+    for name in sorted(jobs, key=lambda m: m != SEARCHED):
         if start > cap:
             break
-        searches[name] = search_group(jobs[name], model_cfg, family, budget, start, cap, step)
+        searches[name] = search_group(jobs[name], model_cfg, family, budget, start, cap, step, unit)
         if searches[name].largest is None:
             break
         cap = min(cap, searches[name].largest)
@@ -433,7 +414,7 @@ def measured_max_tokens(jobs: dict[str, GroupJob], model_cfg: Any, family: str, 
         for name, job in jobs.items():
             seen = dict(searches[name].probes)
             if largest not in seen:
-                extra = search_group(job, model_cfg, family, budget, largest, largest, step)
+                extra = search_group(job, model_cfg, family, budget, largest, largest, step, unit)
                 searches[name].probes += extra.probes
                 seen = dict(searches[name].probes)
             peaks[name] = seen[largest]
@@ -441,42 +422,16 @@ def measured_max_tokens(jobs: dict[str, GroupJob], model_cfg: Any, family: str, 
             "probes": {m: s.probes for m, s in searches.items()}}
 
 
-def planner_max_tokens(name: str, cfg: Config, jobs: dict[str, GroupJob], model_cfg: Any, budget: int, start: int,
-                       stop: int, step: int) -> dict[str, dict[str, Any]]:
-    """The planner's answers by the same search on its fake runs (``planner.measure_all``), two ways:
-    ``one_micro_batch``, the fake run's per-rank peak itself (the probe's accounting: the fake counterpart of
-    the measurement), and ``planner``, ``planner.evaluate``'s verdict for this placement (a disaggregated encoder
-    also holds one micro-batch ahead, a collocated rank the other group's state)."""
-    from dataclasses import replace
+def planner_max_tokens(name: str, cfg: Config, jobs: dict[str, GroupJob], model_cfg: Any, family: Any, budget: int,
+                       start: int, stop: int, step: int, unit: int) -> dict[str, dict[str, Any]]:
+    """The planner's answers by the same search on its fake runs (``planner.largest_fitting``): ``one_micro_batch``,
+    the fake run's per-rank peak itself, and ``planner``, ``dhp plan``'s verdict for this placement."""
+    from dhp.plan.planner import largest_fitting
 
-    from dhp.plan.devices import get_device
-    from dhp.plan.planner import Row, evaluate, measure_all
-
-    unit, gpus = model_cfg.vision.merge_unit, sum(j.ranks for j in jobs.values())
-    cache: dict[int, dict[str, dict[str, int]]] = {}
-
-    def peaks(tokens: int) -> dict[str, dict[str, int]]:
-        """{"one_micro_batch": {group: bytes}, "planner": {group: bytes}} at this size (fake runs once)."""
-        if tokens not in cache:
-            js = {m: replace(j, vision_tokens=tokens * unit) for m, j in jobs.items()}
-            res = measure_all([js["vision"]], model_cfg, workers=1)
-            if res[js["vision"]].peak > budget:  # fails either way (the verdict only adds to a group's peak)
-                cache[tokens] = {k: {"vision": res[js["vision"]].peak} for k in ("one_micro_batch", "planner")}
-                return cache[tokens]
-            res |= measure_all([j for m, j in js.items() if m != "vision"], model_cfg, workers=1)
-            r = Row(name, tokens * unit, js["vision"].activation_checkpointing, js, placement=cfg.runtime.placement)
-            r = evaluate(r, res, get_device("h100"), gpus, budget / GiB, SHORT_TEXT)  # the device: time only
-            cache[tokens] = {"one_micro_batch": {m: res[j].peak for m, j in js.items()},
-                             "planner": {m: round(g["peak_gb"] * GiB) for m, g in r.groups.items()}}
-        return cache[tokens]
-
-    out = {}
-    for kind in ("one_micro_batch", "planner"):
-        g = grow(lambda n, kind=kind: max(peaks(n)[kind].values()), budget, start, stop, step)
-        at = peaks(g.largest)[kind] if g.largest is not None else {}
-        out[kind] = {"vision_tokens": g.largest, "first_failed": g.first_failed,
-                     "peak_gb": {m: b / GiB for m, b in at.items()}}
-    return out
+    got = largest_fitting(jobs, model_cfg, family, SEARCHED, budget, start, stop, step, cfg.runtime.placement,
+                          media_per_token=unit, name=name)
+    return {k: {"vision_tokens": v["tokens"], "first_failed": v["first_failed"], "peak_gb": v["peak_gb"]}
+            for k, v in got.items()}
 
 
 def run_max_vision_tokens(config: str | Path | None, overrides: list[str], layouts: dict[str, list[str]],
@@ -503,24 +458,33 @@ def run_max_vision_tokens(config: str | Path | None, overrides: list[str], layou
     base = load_config(config, overrides)
     out = Path(base.output.dir)
     cfgs = {name: layout_config(config, overrides, layout, name, out, 1, 0) for name, layout in layouts.items()}
+    from dhp.plan.planner import family_ref
+
     inputs = resolve_inputs(base)
-    model_cfg, family = inputs.model_cfg, inputs.family.name
-    step = model_cfg.vision.window_merged ** 2
+    model_cfg, family = inputs.model_cfg, inputs.family
+    ref = family_ref(family)
+    if ref is None:
+        raise ConfigError(f"--max-vision-tokens: the {family.name} family is registered in this process only; name "
+                          "it as model.family=package.module:ATTR so that the probe processes can load it")
+    if SEARCHED not in family.module_names:
+        raise ConfigError(f"--max-vision-tokens: the {family.name} family has no {SEARCHED} encoder")
+    step = model_cfg.vision.window_merged ** 2  # one attention window of merged tokens: the search's resolution
+    unit = media_per_token(family, model_cfg)
     check_max_tokens_args(budget_gb, start, stop, step)
-    jobs = {name: layout_jobs(cfg) for name, cfg in cfgs.items()}
+    jobs = {name: layout_jobs(cfg, family) for name, cfg in cfgs.items()}
     _check_ram(budget, max(j.ranks for js in jobs.values() for j in js.values()))
     found: dict[str, Any] = {}
     for name, cfg in cfgs.items():
         print(f"dhp bench: --max-vision-tokens: layout {name}: {' '.join(layouts[name])}", flush=True)
-        m = measured_max_tokens(jobs[name], model_cfg, family, budget, start, stop, step)
+        m = measured_max_tokens(jobs[name], model_cfg, ref, budget, start, stop, step, unit)
         found[name] = {
             "overrides": layouts[name], "vision_tokens": m["largest"],
-            "patches": m["largest"] * model_cfg.vision.merge_unit if m["largest"] else None,
+            "patches": m["largest"] * unit if m["largest"] else None,
             "first_failed": m["first_failed"], "budget_gb": budget_gb, "resolution": step,
             "groups": {g: {"ranks": jobs[name][g].ranks, "peak_gb": p / GiB} for g, p in m["peaks"].items()},
             "probes": {g: [{"vision_tokens": n, "peak_gb": p / GiB, "fits": p <= budget} for n, p in ps]
                        for g, ps in m["probes"].items()},
-            **planner_max_tokens(name, cfg, jobs[name], model_cfg, budget, start, stop, step),
+            **planner_max_tokens(name, cfg, jobs[name], model_cfg, family, budget, start, stop, step, unit),
         }
     results = {"budget_gb": budget_gb, "vision_tokens_start": start, "vision_tokens_max": stop,
                "text_tokens": SHORT_TEXT, "memory": "tracked (torch.distributed._tools MemTracker), CPU",

@@ -9,6 +9,11 @@
       workers.json           module, rank, node, pid of every worker (rewritten at every start)
       final/                 Hugging Face safetensors, exported shard by shard from the last checkpoint
 
+``output.dir`` may be an fsspec URL (``s3://bucket/run``): every path here is then a ``dhp.storage.UrlPath``,
+the groups write their shards through DCP's fsspec writer, the record and ``COMPLETE`` are single objects put
+after every group's save returned (an object store's put is all or nothing, so ``COMPLETE`` last is the
+atomic step), and export uploads each safetensors shard as soon as it is written.
+
 No weight passes through the driver: the workers write, and export streams tensors
 from the DCP files into safetensors shards one shard at a time. Everything the driver
 writes is JSON; tensors are read back only through DCP or safetensors.
@@ -20,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,18 +33,18 @@ from typing import Any
 import torch
 
 from dhp.errors import CheckpointError
-from dhp.parallel.materialize import split_fused
+from dhp.storage import AnyPath, UrlPath, dcp_reader, files_under, is_url, location, rmtree
 
 COMPLETE = "COMPLETE"
 RECORD = "trainer.json"
 FORMAT = 1
 
 
-def checkpoints_dir(out: Path) -> Path:
+def checkpoints_dir(out: AnyPath) -> AnyPath:
     return out / "checkpoints"
 
 
-def step_dir(out: Path, step: int) -> Path:
+def step_dir(out: AnyPath, step: int) -> AnyPath:
     return checkpoints_dir(out) / f"step_{step:06d}"
 
 
@@ -52,42 +58,57 @@ def data_fingerprint(path: Path, num_samples: int, skipped: list[int]) -> str:
     return h.hexdigest()
 
 
-def _manifest(ckpt: Path) -> dict[str, int]:
-    return {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*"))
-            if p.is_file() and p.name not in (RECORD, COMPLETE)}
+def _manifest(ckpt: AnyPath) -> dict[str, int]:
+    return {rel: size for rel, size in files_under(ckpt).items() if rel not in (RECORD, COMPLETE)}
 
 
-def finish(ckpt: Path, record: dict[str, Any]) -> None:
+def finish(ckpt: AnyPath, record: dict[str, Any]) -> None:
     """Write the run's record with a manifest of the shards, then the completion marker, atomically."""
     record = {"format": FORMAT, **record, "files": _manifest(ckpt)}
     _atomic_write(ckpt / RECORD, json.dumps(record, indent=2) + "\n")
     _atomic_write(ckpt / COMPLETE, f"{record['step']}\n")
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def _atomic_write(path: AnyPath, text: str) -> None:
+    """``text`` at ``path`` all at once, and on disk before this returns (the file, then its directory entry, are
+    fsync'ed: on a shared filesystem another node reading COMPLETE finds the record it vouches for; the shards
+    before it are fsync'ed by DCP's writer). On an object store one put: the object appears whole or not at all."""
+    if isinstance(path, UrlPath):
+        path.write_text(text)
+        return
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def read_record(ckpt: Path) -> dict[str, Any]:
+def read_record(ckpt: str | AnyPath) -> dict[str, Any]:
     """The record of a complete, intact checkpoint; CheckpointError naming the file otherwise."""
+    ckpt = location(ckpt)
     if not (ckpt / COMPLETE).is_file():
         raise CheckpointError(f"{ckpt}: incomplete (no {COMPLETE} marker): its save did not finish")
     try:
         record = json.loads((ckpt / RECORD).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{ckpt / RECORD}: unreadable ({e})") from None
+    present = files_under(ckpt)  # one listing (one request on an object store)
     for rel, size in record.get("files", {}).items():
         f = ckpt / rel
-        if not f.is_file():
+        if rel not in present:
             raise CheckpointError(f"{f}: missing from the checkpoint")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"{f}: {f.stat().st_size} bytes, {size} when written: truncated or corrupt")
+        if present[rel] != size:
+            raise CheckpointError(f"{f}: {present[rel]} bytes, {size} when written: truncated or corrupt")
     return record
 
 
-def complete_checkpoints(out: Path) -> list[Path]:
+def complete_checkpoints(out: AnyPath) -> list[AnyPath]:
     """Checkpoint directories with a completion marker, oldest first."""
     root = checkpoints_dir(out)
     if not root.is_dir():
@@ -95,7 +116,7 @@ def complete_checkpoints(out: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if (p / COMPLETE).is_file())
 
 
-def latest(out: Path, log: Any = print) -> tuple[Path, dict[str, Any]] | None:
+def latest(out: AnyPath, log: Any = print) -> tuple[AnyPath, dict[str, Any]] | None:
     """The newest complete and intact checkpoint; incomplete or corrupt ones are skipped with a message."""
     root = checkpoints_dir(out)
     if not root.is_dir():
@@ -108,7 +129,7 @@ def latest(out: Path, log: Any = print) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
-def prune(out: Path, keep: int) -> list[Path]:
+def prune(out: AnyPath, keep: int) -> list[AnyPath]:
     """Delete all but the newest ``keep`` complete checkpoints (and unfinished ones older than the newest complete);
     called only after a newer checkpoint is complete. ``keep=0`` keeps everything."""
     complete = complete_checkpoints(out)
@@ -118,7 +139,7 @@ def prune(out: Path, keep: int) -> list[Path]:
     newest = complete[-1]
     doomed += [p for p in checkpoints_dir(out).glob("step_*") if p not in complete and p.name < newest.name]
     for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
+        rmtree(p)
     return doomed
 
 
@@ -229,27 +250,49 @@ def source_dir(cfg: Any) -> Path | None:
     return Path(path) if path and Path(path).is_dir() else None
 
 
-def export_hf(ckpt: Path, out: Path, family: Any, model_cfg: Any, tokenizer_dir: Path | None = None,
-              dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 2**30,
-              source_dir: Path | None = None) -> Path:
+def export_hf(ckpt: str | AnyPath, out: str | AnyPath, family: Any, model_cfg: Any,
+              tokenizer_dir: Path | None = None, dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 2**30,
+              source_dir: Path | None = None) -> AnyPath:
     """A Hugging Face directory from a checkpoint, a drop-in copy of the one the run started from: config.json
     (with its bos/eos/pad ids), sharded safetensors with their index, the tokenizer's files, and the source's
     processor, chat template and generation config (``carry_files``).
 
     Streams: reads the tensors of one output shard from the DCP files, writes it, frees it; the whole model
-    is never in memory. Tied weights are written once (as HF expects)."""
+    is never in memory. Tied weights are written once (as HF expects). ``out`` may be a URL: each file is
+    written to a local staging directory and uploaded at once (one shard on local disk at a time)."""
+    ckpt, out = location(ckpt), location(out)
+    if isinstance(out, UrlPath):
+        with tempfile.TemporaryDirectory(prefix="dhp-export-") as staging:
+            for stale in out.glob("*"):  # an earlier export's files: the directory is the export's own
+                stale.unlink(missing_ok=True)
+            return _export_hf(ckpt, Path(staging), family, model_cfg, tokenizer_dir, dtype, max_shard_bytes,
+                              source_dir, upload_to=out)
+    return _export_hf(ckpt, out, family, model_cfg, tokenizer_dir, dtype, max_shard_bytes, source_dir)
+
+
+def _upload(local: Path, remote: UrlPath | None) -> None:
+    """Move a written file of the export to its URL (nothing to do for a local export)."""
+    if remote is not None:
+        remote.fs.put_file(str(local), (remote / local.name).key)
+        local.unlink()
+
+
+def _export_hf(ckpt: AnyPath, out: Path, family: Any, model_cfg: Any, tokenizer_dir: Path | None,
+               dtype: torch.dtype | None, max_shard_bytes: int, source_dir: Path | None,
+               upload_to: UrlPath | None = None) -> AnyPath:
+    """``export_hf`` into the local ``out``, each finished file moved on to ``upload_to`` when given."""
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint import FileSystemReader
 
     record = read_record(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)
-    tied = family.tied(model_cfg) if family.tied else {}
+    weights = family.weights  # our keys -> HF names (fused ones cut in parts), tying, config.json
+    tied = weights.tied(model_cfg)
     items: list[tuple[str, str, str, Any]] = []  # (module dir, our key in the module, our whole-model key, meta)
     for spec in family.modules:
         mdir = ckpt / spec.name
-        meta = FileSystemReader(str(mdir)).read_metadata()
+        meta = dcp_reader(mdir).read_metadata()
         for key, m in meta.state_dict_metadata.items():
             if key.startswith("model.") and hasattr(m, "size"):
                 full = f"{spec.weight_prefix}.{key[len('model.'):]}"
@@ -273,16 +316,17 @@ def export_hf(ckpt: Path, out: Path, family: Any, model_cfg: Any, tokenizer_dir:
         for (_, _, full, _), t in zip(shard, tensors, strict=True):
             t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
             out_dtype = out_dtype or t.dtype
-            named.update({k: v.contiguous() for k, v in split_fused(family.hf_key(full), t).items()})
+            named.update({k: v.contiguous() for k, v in weights.to_hf(full, t, model_cfg).items()})
         name = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(named, str(out / name), metadata={"format": "pt"})
+        _upload(out / name, upload_to)
         weight_map.update(dict.fromkeys(named, name))
         total += sum(t.numel() * t.element_size() for t in named.values())
         del tensors, named
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    config = family.hf_config(model_cfg, out_dtype or torch.float32)
+    config = weights.hf_config(model_cfg, out_dtype or torch.float32)
     ids = token_ids(source_dir, tokenizer_dir)
     config.update(ids)
     if isinstance(config.get("text_config"), dict):
@@ -290,7 +334,11 @@ def export_hf(ckpt: Path, out: Path, family: Any, model_cfg: Any, tokenizer_dir:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     carry_files(out, tokenizer_dir, source_dir, ids)
     (out / "dhp_export.json").write_text(json.dumps({"checkpoint": str(ckpt), "step": record["step"]}) + "\n")
-    return out
+    if upload_to is None:
+        return out
+    for f in sorted(p for p in out.iterdir() if p.is_file()):
+        _upload(f, upload_to)
+    return upload_to
 
 
 def token_ids(source: Path | None, tokenizer_dir: Path | None) -> dict[str, Any]:
@@ -342,7 +390,7 @@ def carry_files(out: Path, tokenizer_dir: Path | None, source: Path | None, ids:
     return sorted(set(written))
 
 
-def _read(ckpt: Path, items: list[tuple[str, str, str, Any]]) -> list[torch.Tensor]:
+def _read(ckpt: AnyPath, items: list[tuple[str, str, str, Any]]) -> list[torch.Tensor]:
     """The full tensors of ``items`` from their module directories (one DCP read per module)."""
     import torch.distributed.checkpoint as dcp
 
@@ -358,7 +406,8 @@ def _read(ckpt: Path, items: list[tuple[str, str, str, Any]]) -> list[torch.Tens
                               for k in ks}}
         try:
             with quiet_single_process():
-                dcp.load(template, checkpoint_id=str(ckpt / module), no_dist=True)
+                dcp.load(template, checkpoint_id=str(ckpt / module), no_dist=True,
+                         **({"storage_reader": dcp_reader(ckpt / module)} if is_url(ckpt) else {}))
         except Exception as e:  # noqa: BLE001 - DCP raises many types for a bad file
             raise CheckpointError(f"{ckpt / module}: cannot read ({type(e).__name__}: {e})") from None
         for k in ks:
@@ -366,8 +415,8 @@ def _read(ckpt: Path, items: list[tuple[str, str, str, Any]]) -> list[torch.Tens
     return [result[k] for k in range(len(items))]
 
 
-def export_checkpoint(ckpt: Path, out: Path, dtype: torch.dtype | None = None,
-                      max_shard_bytes: int = 2 * 2**30) -> Path:
+def export_checkpoint(ckpt: str | AnyPath, out: str | AnyPath, dtype: torch.dtype | None = None,
+                      max_shard_bytes: int = 2 * 2**30) -> AnyPath:
     """``dhp export``: the checkpoint's own record says which model and tokenizer; see ``export_hf``."""
     from dhp.config import config_from_dict
     from dhp.inputs import resolve_inputs

@@ -1,4 +1,7 @@
-"""The ``dhp`` command: train, info, data.
+"""The ``dhp`` command: train, info, data (demo, check), export, bench, report, plan.
+
+Each subcommand parses its flags here and calls one function of the layer below (``dhp.train``,
+``dhp.checkpoint``, ``dhp.bench``, ``dhp.plan.command``, ``dhp.observe.report``); nothing here trains.
 
 Errors: a mistake the user can fix (``dhp.errors``: config, data, model or
 checkpoint) is one ``dhp: ...`` line naming the key or file and the fix, with
@@ -130,8 +133,6 @@ def cmd_info(args: argparse.Namespace) -> int:
         if not (path / "config.json").is_file():
             raise ModelError(f"{args.model}: no config.json in it; give a Hugging Face checkpoint directory (the one "
                              f"holding config.json) or a preset ({presets})")
-    if family.preset_config is None or family.describe is None:
-        raise ConfigError(f"--family: the {family.name} family cannot describe its models")
     try:
         model_cfg = family.preset_config(args.model)
     except (ValueError, FileNotFoundError, KeyError) as e:
@@ -315,7 +316,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from dhp.checkpoint import export_checkpoint
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    out = export_checkpoint(Path(args.checkpoint), Path(args.out), dtype)
+    out = export_checkpoint(args.checkpoint, args.out, dtype)  # paths or URLs (s3://...: dhp/storage.py)
     print(f"dhp: exported {args.checkpoint} to {out} (config.json with the bos/eos/pad ids, safetensors, the "
           "tokenizer, and the source checkpoint's processor, chat template and generation config)")
     return 0
@@ -389,20 +390,25 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(fn=cmd_report)
     pl = sub.add_parser("plan", help="predict memory and speed of every layout from fake runs of the real code",
                         parents=[common], epilog=_epilog(), formatter_class=fmt)
-    pl.add_argument("model", help="tiny | 3b | 7b | 32b | 72b | a Hugging Face directory | a config.json")
+    pl.add_argument("model", help="a preset (tiny | 3b | 7b | 32b | 72b | omni-tiny | omni-3b | omni-7b), a Hugging "
+                    "Face directory or a config.json")
+    pl.add_argument("--family", default=None, help="the model family (model.family; default: the preset's or the "
+                    "checkpoint's)")
     pl.add_argument("--gpus", type=int, required=True, help="GPUs to lay the model out on")
     pl.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU (default: the device's)")
     pl.add_argument("--device", default="h100", help="h100 | h200 | a100 | l40s (default h100)")
     pl.add_argument("--peak-tflops", type=float, default=None, help="override the device's peak bf16 TFLOP/s")
     pl.add_argument("--vision-tokens", default="16384,65536", help="vision patches per sample, comma-separated")
-    pl.add_argument("--text-tokens", type=int, default=4096, help="text tokens per sample besides the image's")
+    pl.add_argument("--audio-tokens", default="3000", help="audio mel frames per sample (100 per second; default "
+                    "3000, 30 s), comma-separated: for a family with an audio encoder")
+    pl.add_argument("--text-tokens", type=int, default=4096, help="text tokens per sample besides the placeholders")
     pl.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
     pl.add_argument("--precision", choices=["fp32_master", "bf16", "bf16_plain"], default="fp32_master",
                     help="train.precision of every group: float32 master weights (default) or pure bf16")
     pl.add_argument("--strategies", default=None,
                     help="comma-separated subset of dhp-collocated,dhp-disaggregated,uniform-tp,zero3")
     pl.add_argument("--json", default=None, help="write the rows as JSON here")
-    pl.add_argument("--plot", default=None, help="write a PNG of per-rank peak against vision tokens here")
+    pl.add_argument("--plot", default=None, help="write a PNG of per-rank peak against the first encoder's tokens here")
     pl.set_defaults(fn=cmd_plan)
     return p
 

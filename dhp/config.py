@@ -109,6 +109,20 @@ class ParallelConfig:
 
 
 @dataclass
+class ResourcesConfig:
+    """Where a module group's workers run and what each one reserves (Ray's names; docs/cluster.md).
+
+    Unset numbers take the run's defaults (``runtime.cpus_per_worker``, ``runtime.gpus_per_worker``)."""
+
+    num_cpus: float | None = None  # CPUs per worker; unset: runtime.cpus_per_worker
+    num_gpus: float | None = None  # GPUs per worker; unset: runtime.gpus_per_worker
+    accelerator_type: str | None = None  # a node's accelerator (Ray's accelerator_type:<name> resource), e.g. H100
+    label_selector: dict[str, str] = field(default_factory=dict)  # node labels: {pool: vision}, "!x", "in(a,b)"
+    custom: dict[str, float] = field(default_factory=dict)  # custom node resources per worker: {vision_pool: 1}
+    strategy: Literal["pack", "spread"] = "pack"  # the group's workers on as few nodes as fit, or on many
+
+
+@dataclass
 class ModuleConfig:
     """One module group (an encoder or the language model): training switches and its parallel layout.
 
@@ -119,6 +133,7 @@ class ModuleConfig:
     lr_scale: float = 1.0
     activation_checkpointing: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # its workers' node pool (Ray backend)
 
 
 @dataclass
@@ -154,6 +169,9 @@ class RuntimeConfig:
     # refused), none where it has no GPU (CPU, gloo); a number: that share of a GPU per worker (0: CPU)
     gpus_per_worker: float | Literal["auto"] = "auto"
     max_failures: int = 0  # worker failures a run survives (restart every group, resume the newest checkpoint)
+    # a restart on a cluster that lost nodes: seconds to wait for the layout to fit again before the run stops
+    # with the command that resumes it (docs/cluster.md)
+    capacity_wait_s: float = 120.0
     collective_timeout_s: float = 600.0  # a collective waiting longer than this fails instead of hanging
     peak_tflops: float | None = None  # peak FLOP/s per device for MFU (unset: the device table; CPU: measured)
     empty_cache_between_turns: Literal["auto", "always", "never"] = "auto"  # auto: collocated groups on CUDA
@@ -215,6 +233,7 @@ class Config:
                f"{t.precision} holds bfloat16 weights and computes in bfloat16: it needs train.dtype=bfloat16 (or "
                "auto), not float32")
         _check(self.runtime.max_failures >= 0, "runtime.max_failures", "must be >= 0")
+        _check(self.runtime.capacity_wait_s >= 0, "runtime.capacity_wait_s", "must be >= 0 seconds")
         _check(self.runtime.collective_timeout_s > 0, "runtime.collective_timeout_s", "must be > 0 seconds")
         trace = self.output.trace_steps
         _check((trace >= 0) if isinstance(trace, int) else all(s >= 1 for s in trace), "output.trace_steps",
@@ -243,6 +262,10 @@ def _check_module(name: str, m: ModuleConfig, spec: Any, backend: str) -> None:
     for k in ("dp", "sp", "tp"):
         _check(getattr(p, k) >= 1, f"{name}.parallel.{k}", "must be >= 1")
     _check(m.lr_scale > 0, f"{name}.lr_scale", "must be > 0")
+    _check_resources(name, m.resources)
+    if backend == "local" and m.resources != ResourcesConfig():
+        raise ConfigError(f"{name}.resources: places the group's workers on a Ray cluster; the local backend runs "
+                          "one process: set runtime.backend=ray, or drop it")
     if p.sp > 1 and p.tp > 1:
         raise ConfigError(f"{name}.parallel: choose sp (Ulysses) or tp, not both")
     if spec is not None:
@@ -266,6 +289,18 @@ def _check_module(name: str, m: ModuleConfig, spec: Any, backend: str) -> None:
     if backend == "local" and (p.dp, p.sp, p.tp) != (1, 1, 1):
         raise ConfigError(f"{name}.parallel: the local backend runs one process; set runtime.backend=ray for "
                           "dp/sp/tp/zero")
+
+
+def _check_resources(name: str, r: ResourcesConfig) -> None:
+    for key in ("num_cpus", "num_gpus"):
+        value = getattr(r, key)
+        _check(value is None or value >= 0, f"{name}.resources.{key}", "must be >= 0 (unset: the runtime's default)")
+    if r.num_gpus is not None and r.num_gpus > 1:
+        _check(r.num_gpus == int(r.num_gpus), f"{name}.resources.num_gpus", "above 1 must be a whole number")
+    for res, amount in r.custom.items():
+        _check(amount > 0, f"{name}.resources.custom.{res}", "must be > 0 (a worker's share of that node resource)")
+        _check(res not in ("CPU", "GPU", "memory"), f"{name}.resources.custom.{res}",
+               "is a built-in resource: use num_cpus / num_gpus")
 
 
 def _check(ok: bool, key: str, why: str) -> None:
@@ -300,7 +335,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
     cfg = build_config(raw)
     if check_files:
-        check_files_exist(cfg)
+        from dhp.storage import localize_inputs
+
+        check_files_exist(localize_inputs(cfg))  # URL inputs (s3://...) read from a local copy
     return cfg
 
 
@@ -450,6 +487,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return {_coerce(args[0], k, key): _coerce(args[1], v, f"{key}.{k}") for k, v in value.items()}
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")

@@ -4,7 +4,7 @@ The single-process reference trainer and every Ray worker run these same
 classes; a layout only adds collectives. That is what makes "every layout
 equals the reference" a property of the code rather than a coincidence of two
 implementations. Nothing here knows a model family: the module, its
-parallelization and its data hooks come from the family's ``ModuleSpec``.
+parallelization and its data hooks come from the family's ``Module`` objects (``dhp.models.spec``).
 
 Per micro-batch the driver calls, for every encoder e (vision, audio, ...)::
 
@@ -38,18 +38,19 @@ from torch import nn
 
 from dhp.config import Config, ConfigError, ParallelConfig, TrainConfig, compute_dtype
 from dhp.data.batch import Sample, pack
-from dhp.models.spec import EncoderSpec, FamilySpec, LanguageSpec, ModuleSpec, ParallelizeOptions
+from dhp.data.loader import pin_tensors, to_device
+from dhp.models.spec import Encoder, Family, LanguageModel, Module, ParallelizeOptions
 from dhp.parallel.layout import Parallel
 
 SampleLoader = Callable[..., Sample]  # (sample_id, pixels: bool) -> Sample
 Piece = tuple[torch.Tensor, torch.Tensor]  # (token index [n] into the sample's placeholder tokens, embeddings [n, D])
 
 __all__ = ["EncoderEngine", "LanguageEngine", "ModuleEngine", "Parallel", "Piece", "Precision", "assemble",
-           "precision_of", "single_process"]
+           "assemble_slice", "precision_of", "sequence_slice", "single_process", "slot_positions"]
 
 
-def single_process(spec: ParallelConfig | None = None) -> Parallel:
-    return Parallel(spec or ParallelConfig())
+def single_process(config: ParallelConfig | None = None) -> Parallel:
+    return Parallel(config or ParallelConfig())
 
 
 def lr_lambda(cfg: Config) -> Callable[[int], float]:
@@ -165,52 +166,46 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], lr: float, weight_de
     ]
 
 
-def build_module(spec: ModuleSpec, model_cfg: Any, seed: int, device: str | torch.device,
+def build_module(definition: Module, model_cfg: Any, seed: int, device: str | torch.device,
                  state: dict[str, torch.Tensor] | None, hf_path: str | None = None,
-                 family: FamilySpec | None = None) -> nn.Module:
+                 family: Family | None = None) -> nn.Module:
     """The whole module on one device, unparallelized: built on the meta device, then ``materialize``."""
     with torch.device("meta"):
-        module = spec.build(model_cfg)
-    materialize(spec, module, model_cfg, device, seed, state, hf_path=hf_path, family=family)
+        module = definition.build(model_cfg)
+    materialize(definition, module, model_cfg, device, seed, state, hf_path=hf_path, family=family)
     return module
 
 
-def materialize(spec: ModuleSpec, module: nn.Module, model_cfg: Any, device: str | torch.device, seed: int,
+def materialize(definition: Module, module: nn.Module, model_cfg: Any, device: str | torch.device, seed: int,
                 state: dict[str, torch.Tensor] | None = None, par: Parallel | None = None,
-                hf_path: str | None = None, family: FamilySpec | None = None) -> None:
+                hf_path: str | None = None, family: Family | None = None) -> None:
     """Give a meta-device module (already parallelized, or not) its storage on ``device`` and its weights.
 
     ``to_empty`` allocates each rank's own shards only; the family's ``reset_buffers`` recomputes the
     non-persistent buffers; then every parameter is filled shard-locally: from ``state`` (full tensors, our
     module-local names) when given, else from the HF checkpoint at ``hf_path`` (this rank's slices only, read
     by the worker itself, names through ``family``'s weight adapter: by default the family of ``hf_path``'s
-    model_type), else the family's deterministic init from ``seed + spec.seed_offset`` (the whole
-    model's weights, in any layout). The layout's non-canonical parameters (``spec.layout_transforms``) are
+    model_type), else the family's deterministic init from ``seed + definition.seed_offset`` (the whole
+    model's weights, in any layout). The layout's non-canonical parameters (``definition.layout_transforms``) are
     made whole in the canonical order, transformed, then sliced."""
-    from dhp.parallel.materialize import CheckpointError, to_empty
+    from dhp.errors import CheckpointError
+    from dhp.parallel.materialize import to_empty
 
     to_empty(module, device)  # tied parameters stay tied
-    if spec.reset_buffers is not None:
-        spec.reset_buffers(module)
-    elif any(True for _ in module.buffers()):
-        names = [n for n, _ in module.named_buffers()]
-        raise ValueError(f"the {spec.name} module has buffers {names[:5]} but its ModuleSpec gives no "
-                         "reset_buffers: after to_empty they would hold uninitialised memory")
-    transforms = {}
-    if spec.layout_transforms is not None and par is not None:
-        transforms = spec.layout_transforms(module, par)
+    definition.reset_buffers(module)
+    transforms = definition.layout_transforms(module, par) if par is not None else {}
     if state is not None:
         _load(module, state, transforms)
     elif hf_path:
         try:
-            _load_hf(spec, module, model_cfg, hf_path, family, transforms)
+            _load_hf(definition, module, model_cfg, hf_path, family, transforms)
         except CheckpointError as e:
             raise ConfigError(f"model.hf_path: {e}") from None
     else:
-        spec.init(module, seed + spec.seed_offset, **({"transforms": transforms} if transforms else {}))
+        definition.init(module, seed + definition.seed_offset, transforms or None)
 
 
-def _load_hf(spec: ModuleSpec, module: nn.Module, model_cfg: Any, hf_path: str, family: FamilySpec | None,
+def _load_hf(definition: Module, module: nn.Module, model_cfg: Any, hf_path: str, family: Family | None,
              transforms: dict) -> None:
     """This rank's slices of ``module``'s tensors, straight from the checkpoint's safetensors files."""
     from dhp.parallel.materialize import SafetensorsSource, load_by_name
@@ -219,14 +214,12 @@ def _load_hf(spec: ModuleSpec, module: nn.Module, model_cfg: Any, hf_path: str, 
         from dhp.models.registry import resolve_family
 
         family = resolve_family(None, hf_path)
-    fam = family
-    if fam.hf_key is None:
-        raise ConfigError(f"model.hf_path: model family {fam.name} has no Hugging Face weight adapter (hf_key)")
-    prefix = spec.weight_prefix + "."
-    tied = {k[len(prefix):]: v[len(prefix):] for k, v in (fam.tied(model_cfg) if fam.tied else {}).items()
+    weights = family.weights  # the HF tensors of each of our keys (several for a fused q/k/v or gate/up)
+    prefix = definition.weight_prefix + "."
+    tied = {k[len(prefix):]: v[len(prefix):] for k, v in weights.tied(model_cfg).items()
             if k.startswith(prefix) and v.startswith(prefix)}
-    load_by_name(module, SafetensorsSource(hf_path), key_of=lambda name: fam.hf_key(prefix + name), tied=tied,
-                 transforms=transforms, what=f"{spec.name} module ({type(module).__name__})")
+    load_by_name(module, SafetensorsSource(hf_path), key_of=lambda name: weights.hf_names(prefix + name), tied=tied,
+                 transforms=transforms, what=f"{definition.name} module ({type(module).__name__})")
 
 
 def _load(module: nn.Module, state: dict[str, torch.Tensor], transforms: dict | None = None) -> None:
@@ -239,31 +232,31 @@ def _load(module: nn.Module, state: dict[str, torch.Tensor], transforms: dict | 
 class ModuleEngine:
     """One module, its optimizer and LR schedule, and the process groups of its layout."""
 
-    def __init__(self, spec: ModuleSpec, family: FamilySpec, model_cfg: Any, cfg: Config,
+    def __init__(self, definition: Module, family: Family, model_cfg: Any, cfg: Config,
                  par: Parallel | None = None, device: str = "cpu") -> None:
         """Builds the module, then the family's ``parallelize`` applies, in this fixed order:
         1. tensor or sequence parallelism, 2. activation checkpointing, 3. ZeRO-3 (FSDP2) over the ranks
         that hold partial gradients; then 4. the optimizer (ZeRO-1: its state sharded over those ranks)."""
-        self.spec, self.model_cfg, self.cfg = spec, model_cfg, cfg
-        self.mcfg = cfg.module(spec.name)
+        self.definition, self.model_cfg, self.cfg = definition, model_cfg, cfg
+        self.mcfg = cfg.module(definition.name)
         self.par = par or single_process(self.mcfg.parallel)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         with torch.device("meta"):  # no rank ever holds the whole module: parallelized on meta, then materialized
-            self.module = spec.build(model_cfg)
-        self._set_loss_chunking()
+            self.module = definition.build(model_cfg)
+        self._set_train_options()
         self.fsdp = self.mcfg.parallel.zero == 3 and self.par.distributed
         policy = self._set_precision()
         self._set_trainable()
         opts = ParallelizeOptions(activation_checkpointing=self.mcfg.activation_checkpointing,
                                   fsdp_mesh=self.reduce_mesh() if self.fsdp else None, mp_policy=policy,
                                   sequence_parallel=self.mcfg.parallel.sequence_parallel)
-        spec.parallelize(self.module, self.par, opts)
+        definition.parallelize(self.module, self.par, opts)
         if cfg.train.compile:
             compile_blocks(self.module)
         self._set_trainable()  # TP and FSDP2 replace parameters: the flags hold on the new ones too
-        materialize(spec, self.module, model_cfg, self.device, cfg.train.seed, None, self.par,
+        materialize(definition, self.module, model_cfg, self.device, cfg.train.seed, None, self.par,
                     hf_path=cfg.model.hf_path, family=family)
         named = list({id(p): (n, p) for n, p in self.module.named_parameters()}.values())  # tied weights once
         groups = []
@@ -278,11 +271,11 @@ class ModuleEngine:
 
     @property
     def name(self) -> str:
-        return self.spec.name
+        return self.definition.name
 
     def _group_of(self, name: str) -> tuple[float, bool]:
         """(lr scale, trainable) of a parameter: the family's projector parameters follow the `merger` section."""
-        if _unwrapped(name).startswith(self.spec.projector_prefixes or ("\0",)):
+        if self.definition.projector_prefixes and _unwrapped(name).startswith(self.definition.projector_prefixes):
             return self.cfg.merger.lr_scale, self.cfg.merger.trainable
         return self.mcfg.lr_scale, self.mcfg.trainable
 
@@ -303,13 +296,10 @@ class ModuleEngine:
 
         return mixed_precision_policy(torch.bfloat16)  # FSDP2 casts parameters and compute itself
 
-    def _set_loss_chunking(self) -> None:
-        """``train.loss_chunk_tokens`` onto a module that takes its loss in chunks (an optional attribute of a
-        family's language module, ``TextModel.loss_chunk_tokens``)."""
-        if hasattr(self.module, "loss_chunk_tokens"):
-            self.module.loss_chunk_tokens = self.cfg.train.loss_chunk_tokens
-        if hasattr(self.module, "attention_kernel"):  # train.attention: packed attention's kernel (auto, sdpa, varlen)
-            self.module.attention_kernel = self.cfg.train.attention
+    def _set_train_options(self) -> None:
+        """The ``train`` settings a module's own code reads (``Module.set_train_options``: the attention kernel,
+        the loss chunking)."""
+        self.definition.set_train_options(self.module, self.cfg.train)
 
     def _set_trainable(self) -> None:
         for name, p in self.module.named_parameters():
@@ -332,7 +322,7 @@ class ModuleEngine:
 
     def _optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
         factory = optimizer_factory(self.cfg, self.device.type, self.precision.params)
-        if self.par.spec.zero == 1 and self.par.distributed and dist.get_world_size(self.reduce_group()) > 1:
+        if self.par.config.zero == 1 and self.par.distributed and dist.get_world_size(self.reduce_group()) > 1:
             from dhp.parallel.sharding import make_zero1_optimizer
 
             return make_zero1_optimizer(groups, factory, self.reduce_group())
@@ -429,9 +419,7 @@ class ModuleEngine:
 
     def layout_transforms(self) -> dict:
         """Parameters whose global layout here is not the canonical one (the family says which)."""
-        if self.spec.layout_transforms is None:
-            return {}
-        return self.spec.layout_transforms(self.module, self.par)
+        return self.definition.layout_transforms(self.module, self.par)
 
 
 def _unwrapped(key: str) -> str:
@@ -442,11 +430,11 @@ def _unwrapped(key: str) -> str:
 class EncoderEngine(ModuleEngine):
     """An encoder (and its projector). Keeps each micro-batch's graph until its gradient comes back."""
 
-    spec: EncoderSpec
+    definition: Encoder  # the family's description of the module this engine runs
 
-    def __init__(self, spec: EncoderSpec, family: FamilySpec, model_cfg: Any, cfg: Config, load: SampleLoader,
+    def __init__(self, definition: Encoder, family: Family, model_cfg: Any, cfg: Config, load: SampleLoader,
                  par: Parallel | None = None, device: str = "cpu") -> None:
-        super().__init__(spec, family, model_cfg, cfg, par, device)
+        super().__init__(definition, family, model_cfg, cfg, par, device)
         self.load = load
         self.pending: dict[object, tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
@@ -461,17 +449,17 @@ class EncoderEngine(ModuleEngine):
         crosses to the language model, which takes them as float32 leaves (``LanguageEngine``), as a cast
         here would have: the values are the same, the bytes on the router half."""
         samples = [self.load(i) for i in sample_ids]
-        carrying = [s for s in samples if self.spec.num_tokens(s, self.model_cfg)]
+        carrying = [s for s in samples if self.definition.num_placeholders(s, self.model_cfg)]
         if not carrying and not self.fsdp:
             return {}
         # FSDP2 ranks gather and reduce in lockstep: a replica without media still runs (on zero tokens)
         grad_ctx = nullcontext() if self.needs_backward else torch.no_grad()
         with grad_ctx, self.autocast():
-            embeds, index = self.spec.encode(self.module, carrying, self.par, self.device)  # [n_local, D], [n_local]
+            embeds, index = self.definition.encode(self.module, carrying, self.par, self.device)  # [n, D], [n]
         pieces, rows = {}, {}
         start = 0
         for s in carrying:
-            end = start + self.spec.num_tokens(s, self.model_cfg)
+            end = start + self.definition.num_placeholders(s, self.model_cfg)
             mine = ((index >= start) & (index < end)).nonzero().flatten()  # local rows
             if len(mine):
                 token_index = index[mine] - start  # which of the sample's placeholder tokens
@@ -515,38 +503,50 @@ class EncoderEngine(ModuleEngine):
 class LanguageEngine(ModuleEngine):
     """The language model + head: forward and backward of a micro-batch in one call."""
 
-    spec: LanguageSpec
+    definition: LanguageModel
 
-    def __init__(self, family: FamilySpec, model_cfg: Any, cfg: Config, load: SampleLoader,
+    def __init__(self, family: Family, model_cfg: Any, cfg: Config, load: SampleLoader,
                  par: Parallel | None = None, device: str = "cpu") -> None:
         super().__init__(family.language, family, model_cfg, cfg, par, device)
         self.encoders = family.encoders
         self.load = load
         self.encoder_trains = {e.name: encoder_trains(cfg, e) for e in self.encoders}
+        self._token_rows: dict[tuple[str, int], torch.Tensor] = {}  # (encoder, sample) -> its rows here (slices)
 
     def forward_backward(
-        self, sample_ids: list[int], pieces: dict[str, dict[int, list[Piece]]]
+        self, sample_ids: list[int], pieces: dict[str, dict[int, list[Piece]]], sequence_slice: bool = False
     ) -> tuple[torch.Tensor, int, dict[str, dict[int, torch.Tensor]]]:
         """Summed loss (a detached float32 scalar on the device: read it once per step, not per micro-batch),
         supervised tokens, and per encoder d(summed loss)/d(embeddings) per sample.
 
         The batch's segment boundaries, placeholder positions and supervised rows are host metadata
-        (``PackedMeta``): the micro-batch reads no value back from the device."""
-        from dhp.models.layers import host_metadata
+        (``PackedMeta``): the micro-batch reads no value back from the device.
+
+        ``sequence_slice`` (Megatron sequence parallelism, the point-to-point data plane): ``pieces`` hold only
+        the placeholder rows that fall in this TP rank's slice of the packed sequence (``sequence_slice``); they
+        are placed there, and the gradients returned are of those rows only (``gradient_rows`` addresses them
+        by token index). Otherwise every rank gets, and returns, whole samples."""
+        from dhp.ops.attention import host_metadata
 
         with host_metadata():  # the data pipeline's work: host tensors, host metadata
             samples = [self.load(i, pixels=False) for i in sample_ids]  # placeholders only: no media decoding
             batch = pack(samples)
             meta = batch.meta([t for enc in self.encoders for t in enc.placeholder_ids(self.model_cfg)])
-        media: dict[int, torch.Tensor] = {}
+        inputs = self._inputs(batch)  # copies issued before the media are placed: they overlap it
+        bounds = self._own_slice(batch.input_ids.numel()) if sequence_slice else None
+        media: dict[int, Any] = {}
         leaves: dict[str, dict[int, torch.Tensor]] = {}
+        self._token_rows = {}
         for enc in self.encoders:
-            carrying = [s for s in samples if enc.num_tokens(s, self.model_cfg)]
+            carrying = [s for s in samples if enc.num_placeholders(s, self.model_cfg)]
             if not carrying:
                 continue
             got = pieces.get(enc.name, {})
+            if bounds is not None:
+                leaves[enc.name] = self._slice_leaves(enc, carrying, got, meta, bounds, media)
+                continue
             leaves[enc.name] = {  # float32 leaves, whatever dtype the pieces travelled in
-                s.index: assemble(got.get(s.index, []), enc.num_tokens(s, self.model_cfg), s.index, enc.name)
+                s.index: assemble(got.get(s.index, []), enc.num_placeholders(s, self.model_cfg), s.index, enc.name)
                 .to(self.device, torch.float32).requires_grad_(self.encoder_trains[enc.name]) for s in carrying
             }
             ids = enc.placeholder_ids(self.model_cfg)  # a sample's embeddings: the first id's, then the next's
@@ -556,9 +556,7 @@ class LanguageEngine(ModuleEngine):
                 media[token_id] = torch.cat([c[k] for c in chunks])
         with self.autocast():
             loss = self.module.loss_sum(
-                batch.input_ids.to(self.device),
-                batch.position_ids.to(self.device),
-                batch.targets.to(self.device),
+                *inputs,
                 media,
                 batch.cu_seqlens,
                 meta=meta,
@@ -570,10 +568,110 @@ class LanguageEngine(ModuleEngine):
                  for name, per_sample in leaves.items() if self.encoder_trains[name]}
         return loss.detach(), meta.num_supervised, grads
 
+    def _inputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The packed ids, positions and targets on the device: on CUDA put in pinned memory first, so that their
+        ``non_blocking`` copies (``dhp.data.loader.to_device``) do not make the host wait."""
+        host = (batch.input_ids, batch.position_ids, batch.targets)
+        return to_device(pin_tensors(host) if self.device.type == "cuda" else host, self.device)
 
-def encoder_trains(cfg: Config, spec: EncoderSpec) -> bool:
+    def gradient_rows(self, encoder: str, sample_id: int, token_index: torch.Tensor) -> torch.Tensor:
+        """Rows of the last ``forward_backward``'s ``grads[encoder][sample_id]`` that hold the gradients of the
+        sample's placeholder tokens ``token_index`` (on the device): the token index itself for whole samples,
+        its place among this rank's rows under ``sequence_slice``."""
+        rows = self._token_rows.get((encoder, sample_id))
+        return token_index if rows is None else rows[token_index]
+
+    def _own_slice(self, n_tokens: int) -> tuple[int, int]:
+        """[start, end) of this rank's slice of a packed sequence of ``n_tokens`` (Megatron SP)."""
+        p = self.mcfg.parallel
+        if not (p.sequence_parallel and self.par.inner_kind == "tp"):
+            raise ValueError(f"{self.definition.name}: pieces of a sequence slice, but {self.definition.name}.parallel "
+                             "has no Megatron sequence parallelism (tp > 1 and sequence_parallel)")
+        return sequence_slice(n_tokens, p.tp, self.par.inner_rank)
+
+    def _slice_leaves(self, enc: Encoder, carrying: list[Sample], got: dict[int, list[Piece]], meta: Any,
+                      bounds: tuple[int, int], media: dict[int, Any]) -> dict[int, torch.Tensor]:
+        """This rank's rows of ``enc``'s embeddings of each sample: float32 leaves [own rows, D], in token-index
+        order; into ``media``, per placeholder id, (rows, their flat positions): ``TextModel.embed`` places them
+        and leaves the id's other slots (the other ranks' slices, cut away before the first layer) at zero."""
+        from dhp.ops.attention import host_metadata
+
+        lo, hi = bounds
+        ids = enc.placeholder_ids(self.model_cfg)
+        rows: dict[int, list[torch.Tensor]] = {t: [] for t in ids}
+        positions: dict[int, list[torch.Tensor]] = {t: [] for t in ids}
+        taken = dict.fromkeys(ids, 0)  # each id's positions in the batch, consumed sample by sample
+        leaves = {}
+        for s in carrying:
+            counts = list(enc.placeholder_counts(s, self.model_cfg))
+            with host_metadata():
+                pos = torch.cat([meta.placeholders[t][taken[t]: taken[t] + c]
+                                 for t, c in zip(ids, counts, strict=True)])  # flat positions, token-index order
+                for t, c in zip(ids, counts, strict=True):
+                    taken[t] += c
+                mine = ((pos >= lo) & (pos < hi)).nonzero().flatten()  # own token indices, ascending
+                ends = torch.tensor(counts).cumsum(0)
+                per_id = [int(n) for n in torch.bucketize(mine, ends, right=True).bincount(minlength=len(ids))]
+            arrived = got.get(s.index, [])
+            if not len(mine):
+                if arrived:
+                    raise RuntimeError(f"sample {s.index}: {enc.name} embeddings arrived for slots outside this "
+                                       f"rank's sequence slice [{lo}, {hi})")
+                continue
+            leaf, token_rows = assemble_slice(arrived, mine, len(pos), s.index, enc.name, self.device)
+            leaf = leaf.to(self.device, torch.float32).requires_grad_(self.encoder_trains[enc.name])
+            leaves[s.index] = leaf
+            self._token_rows[(enc.name, s.index)] = token_rows
+            for t, chunk, sel in zip(ids, leaf.split(per_id), mine.split(per_id), strict=True):
+                rows[t].append(chunk)
+                positions[t].append(pos[sel])
+        for t in ids:
+            with host_metadata():
+                where = torch.cat([torch.zeros(0, dtype=torch.long), *positions[t]])
+            media[t] = (torch.cat(rows[t]) if rows[t] else None, where)
+        return leaves
+
+
+def encoder_trains(cfg: Config, definition: Encoder) -> bool:
     """Whether any parameter of the encoder (or its projector) trains: else it never runs a backward."""
-    return cfg.module(spec.name).trainable or bool(spec.projector_prefixes and cfg.merger.trainable)
+    return cfg.module(definition.name).trainable or bool(definition.projector_prefixes and cfg.merger.trainable)
+
+
+def sequence_slice(n_tokens: int, tp: int, rank: int) -> tuple[int, int]:
+    """[start, end) of TP rank ``rank``'s slice of a packed sequence of ``n_tokens`` under Megatron sequence
+    parallelism: the sequence padded to a multiple of ``tp`` and cut in ``tp`` equal contiguous chunks, the
+    ``Shard(1)`` cut a family's language model makes before its first layer (``end`` may pass ``n_tokens`` on
+    the last ranks: padding). The data plane sends each rank the placeholder rows of its slice only."""
+    if tp < 1 or not 0 <= rank < tp:
+        raise ValueError(f"sequence_slice: rank {rank} of tp {tp}")
+    size = (n_tokens + (-n_tokens % tp)) // tp
+    return rank * size, (rank + 1) * size
+
+
+def slot_positions(input_ids: torch.Tensor, placeholder_ids: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """Positions in one sample's tokens (host) of an encoder's placeholder tokens, in token-index order: every
+    position of the first id, ascending, then the next id's (the order ``LanguageEngine`` takes a sample's
+    embeddings in)."""
+    ids = input_ids.reshape(-1)
+    return torch.cat([torch.zeros(0, dtype=torch.long), *((ids == t).nonzero().flatten() for t in placeholder_ids)])
+
+
+def assemble_slice(pieces: list[Piece], mine: torch.Tensor, n_tokens: int, sample_id: int, module: str,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sample's rows of this rank's sequence slice [len(mine), D], in the order of ``mine`` (its own token
+    indices, host), from the pieces that arrived (token indices on the device); and the map from token index
+    to row (on the device: the arrived indices are never read on the host)."""
+    seen = sum(len(index) for index, _ in pieces)
+    if seen != len(mine):
+        raise RuntimeError(f"sample {sample_id}: {seen} {module} embeddings arrived for the {len(mine)} slots of "
+                           "this rank's sequence slice")
+    token_rows = torch.full((n_tokens,), -1, dtype=torch.long)
+    token_rows[mine] = torch.arange(len(mine))
+    token_rows = token_rows.to(device)
+    out = pieces[0][1].new_zeros(len(mine), pieces[0][1].shape[-1])
+    for index, emb in pieces:
+        out[token_rows[index.to(device)]] = emb
+    return out, token_rows
 
 
 def assemble(pieces: list[Piece], n_tokens: int, sample_id: int, module: str = "vision") -> torch.Tensor:

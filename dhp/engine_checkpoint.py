@@ -9,8 +9,9 @@ can read it (DCP reshards DTensors on load):
     optim.<param>.<state>             the optimizer state of that parameter (exp_avg, momentum_buffer, step)
     rng.<rank>                        this rank's torch RNG state (uint8); restored when the layout is the same
 
-Only tensors are stored, so reading a checkpoint unpickles nothing of ours (DCP's own
-``.metadata`` file is torch's pickle of the tensors' layout). The LR schedule is a function
+``path`` may be an fsspec URL (``s3://bucket/run/...``): DCP's fsspec writer and reader then write and read
+the object store directly from every rank. Only tensors are stored, so reading a checkpoint unpickles
+nothing of ours (DCP's own ``.metadata`` file is torch's pickle of the tensors' layout). The LR schedule is a function
 of the step, which the driver's record holds. ZeRO-1: each rank writes the optimizer state of
 the parameters it owns; a TP rank's ZeRO-1 state is a local shard, saved as a slice of a
 DTensor laid out like its parameter. Parameters whose global layout is not canonical under a
@@ -103,7 +104,7 @@ def save_engine(engine: Any, path: str | Path, group: Any, rank: int) -> None:
     """Write this rank's shards of the engine to ``path`` (collective over ``group``: every rank calls it)."""
     state = engine_state(engine, rank)
     with quiet_single_process():
-        dcp.save(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
+        dcp.save(state, checkpoint_id=str(path), process_group=group, no_dist=group is None, **_storage(path, "w"))
 
 
 def load_engine(engine: Any, path: str | Path, group: Any, rank: int, step: int, same_layout: bool) -> None:
@@ -133,7 +134,8 @@ def load_engine(engine: Any, path: str | Path, group: Any, rank: int, step: int,
         template["rng"] = {str(rank): torch.get_rng_state()}
     try:
         with quiet_single_process():
-            dcp.load(template, checkpoint_id=str(path), process_group=group, no_dist=group is None)
+            dcp.load(template, checkpoint_id=str(path), process_group=group, no_dist=group is None,
+                     **_storage(path, "r"))
     except Exception as e:  # noqa: BLE001 - DCP wraps a bad file in several exception types
         raise CheckpointError(f"{path}: cannot load this module's shards ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from e
@@ -153,6 +155,16 @@ def load_engine(engine: Any, path: str | Path, group: Any, rank: int, step: int,
     if same_layout:
         torch.set_rng_state(template["rng"][str(rank)])
     engine.restore_schedule(step)
+
+
+def _storage(path: str | Path, mode: str) -> dict[str, Any]:
+    """DCP's fsspec writer/reader where ``path`` is a URL (``s3://...``: each rank writes its shards to the object
+    store itself); nothing for a local path (DCP's file writer, as always)."""
+    from dhp.storage import dcp_reader, dcp_writer, is_url
+
+    if not is_url(str(path)):
+        return {}
+    return {"storage_writer": dcp_writer(path)} if mode == "w" else {"storage_reader": dcp_reader(path)}
 
 
 @contextmanager

@@ -69,7 +69,8 @@ class ModelError(DhpError, ValueError):
 
 
 class CheckpointError(ModelError):
-    """A training checkpoint that cannot be resumed from (missing, incomplete, from another config)."""
+    """A checkpoint that cannot be used: a training checkpoint to resume from (missing, incomplete, from another
+    config), or Hugging Face weights that do not fit the module (the message names the tensor and the file)."""
 
     label = "checkpoint error"
 

@@ -18,7 +18,7 @@ from dhp.progress import Progress
 
 
 class EvalModel(Protocol):
-    """What a family's whole model (``FamilySpec.full_model``) offers evaluation."""
+    """What a family's whole model (``Family.full_model``) offers evaluation."""
 
     def encode_media(self, sample: Sample) -> Any: ...  # every encoder's embeddings of the sample
     def sample_logits(self, input_ids: torch.Tensor, sample: Sample, media: Any) -> torch.Tensor: ...  # [1, L, V]

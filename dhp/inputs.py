@@ -6,34 +6,32 @@ trainer: it imports no backend), so none of them imports another's file.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dhp.config import Config, ConfigError
-from dhp.data.llava import SFTDataset
+from dhp.config import Config, ConfigError, DataConfig
+from dhp.data.llava import SFTDataset, UnreadMedia, ValidationResult
+from dhp.data.processor import Processor
 from dhp.data.sampler import BatchPlanner, encoder_window
 from dhp.data.tokenizer import Tokenizer
 from dhp.errors import DataError, DhpError, ModelError
 from dhp.models.registry import resolve_family
-from dhp.models.spec import FamilySpec
+from dhp.models.spec import Family
 
 
 @dataclass
 class RunInputs:
     cfg: Config
-    family: FamilySpec
+    family: Family
     model_cfg: Any  # the family's model config
     tokenizer_dir: Path
     train_path: Path
     eval_path: Path | None
 
-    @property
-    def positions(self) -> Any:
-        """A sample's position ids in the family's rotary layout (picklable, for workers); None: Qwen2.5-VL's."""
-        hook = self.family.position_ids
-        return None if hook is None else functools.partial(hook, self.model_cfg)
+    def processor(self, data_cfg: Any = None) -> Processor:
+        """The family's processor of the run's data (picklable: it goes to the workers inside the dataset spec)."""
+        return self.family.processor(data_cfg or self.cfg.data, Tokenizer(self.tokenizer_dir), self.model_cfg)
 
 
 def resolve_inputs(cfg: Config) -> RunInputs:
@@ -45,8 +43,6 @@ def resolve_inputs(cfg: Config) -> RunInputs:
     if tokenizer_dir is None and (str(data.path or "")).startswith(DEMO_PREFIX):
         tokenizer_dir = family.demo_data() / "tokenizer"
     if train_path is None:  # the family's demo set (Qwen2.5-VL: digits; Qwen2.5-Omni: digits and dial tones)
-        if family.demo_data is None:
-            raise ConfigError(f"data.path: set it to a training data file (the {family.name} family has no demo set)")
         demo = family.demo_data()
         train_path, eval_path = demo / "train.jsonl", eval_path or demo / "eval.jsonl"
         tokenizer_dir = tokenizer_dir or demo / "tokenizer"
@@ -67,61 +63,85 @@ def resolve_inputs(cfg: Config) -> RunInputs:
 DEMO_PREFIX = "demo:"  # data.path=demo:video_train.jsonl: a file of the family's demo set, generated on first use
 
 
-def _demo_file(value: str | None, family: FamilySpec) -> Path | None:
+def _demo_file(value: str | None, family: Family) -> Path | None:
     """``data.path`` / ``data.eval_path`` as a path; ``demo:NAME`` is NAME in the family's cached demo set."""
     if not value:
         return None
     if not value.startswith(DEMO_PREFIX):
         return Path(value)
-    if family.demo_data is None:
-        raise ConfigError(f"{value}: the {family.name} family has no demo set; give a data file")
-    path = family.demo_data() / value[len(DEMO_PREFIX):]
+    path = family.demo_data() / value[len(DEMO_PREFIX):]  # (no demo set: the family raises ConfigError)
     if not path.is_file():
         raise DataError(f"{value}: the demo set ({path.parent}) has no {path.name}")
     return path
 
 
-def dataset_spec(inputs: RunInputs, path: Path) -> dict:
-    """What a worker needs to open the same data set and address samples by the same ids."""
-    return {"data_cfg": replace(inputs.cfg.data, path=str(path)), "tokenizer_dir": str(inputs.tokenizer_dir),
-            "path": str(path), "validated": None, "positions": inputs.positions}
+@dataclass(frozen=True)
+class DatasetSpec:
+    """What a worker needs to open the same data set and address samples by the same ids: the data config, the
+    tokenizer, the family's processor, and (once the driver validated the file) its validation result."""
+
+    data_cfg: DataConfig
+    tokenizer_dir: str
+    path: str
+    processor: Processor
+    family_name: str
+    validated: ValidationResult | None = None
 
 
-def open_dataset(spec: dict) -> SFTDataset:
+@dataclass(frozen=True)
+class EngineInit:
+    """What every worker builds its engine from, sent once after its process groups are up. Weights are not in
+    it: each rank materializes, or reads from ``model.hf_path``, its own shards."""
+
+    family: Family
+    model_cfg: Any
+    cfg: Config
+    device: str  # "cuda" or "cpu"
+    data_plane: str  # the transport between groups the runtime chose ("p2p", "ray", "ipc")
+    dataset: DatasetSpec
+
+
+def dataset_spec(inputs: RunInputs, path: Path) -> DatasetSpec:
+    """The ``DatasetSpec`` of ``path`` under the run's data config, not yet validated."""
+    data_cfg = replace(inputs.cfg.data, path=str(path))
+    return DatasetSpec(data_cfg, str(inputs.tokenizer_dir), str(path), inputs.processor(data_cfg), inputs.family.name)
+
+
+def open_dataset(spec: DatasetSpec) -> SFTDataset:
     """The data set, validated when opened: a bad sample raises DataError naming file and sample
-    (``data.on_error=raise``) or is dropped and counted (``skip``). With ``spec["validated"]`` (the
-    driver's result, handed to workers) the image headers are not read again, and every worker
-    indexes exactly the samples the driver planned with."""
-    return SFTDataset(spec["data_cfg"], Tokenizer(spec["tokenizer_dir"]), path=spec["path"],
-                      validated=spec["validated"], positions=spec.get("positions"))
+    (``data.on_error=raise``) or is dropped and counted (``skip``). With ``spec.validated`` (the
+    driver's result, handed to workers) the media headers are not read again, and every worker
+    indexes exactly the samples the driver planned with. Media the family reads not (audio under a vision
+    model): a DataError naming the families that do."""
+    try:
+        return SFTDataset(spec.data_cfg, Tokenizer(spec.tokenizer_dir), path=spec.path, validated=spec.validated,
+                          processor=spec.processor)
+    except UnreadMedia as e:
+        raise DataError(_unread_message(spec.family_name, e)) from None
 
 
-def check_modalities(family: FamilySpec, dataset: SFTDataset) -> None:
-    """Every kind of media in the data has an encoder in the family (an audio clip given to Qwen2.5-VL would
-    otherwise be read as plain tokens)."""
-    read = {m for enc in family.encoders for m in enc.modalities}
-    if "audio" in read:
-        return
-    with_audio = [dataset.source_index(i) for i in range(len(dataset)) if dataset.info(i).audio_frames]
-    if with_audio:
-        raise DataError(f"{dataset.file}: {len(with_audio)} sample(s) carry audio (the first: sample {with_audio[0]}) "
-                        f"but the {family.name} family has no audio encoder; set model.family=qwen2_5_omni, or "
-                        "drop the audio")
+def _unread_message(family: str, e: UnreadMedia) -> str:
+    """Which registered families read the media kind the data carries."""
+    from dhp.models.registry import family_names, get_family
+
+    readers = [n for n in family_names() if n != family
+               and any(e.kind in enc.modalities for enc in get_family(n).encoders)]
+    fix = f"set model.family={' or '.join(readers)}, or drop the {e.kind}" if readers else f"drop the {e.kind}"
+    first = e.samples[0]
+    return (f"{e.file}: {len(e.samples)} sample(s) carry {e.kind} (the first: sample {first}) but the {family} "
+            f"family has no {e.kind} encoder; {fix}")
 
 
-def module_costs(family: FamilySpec, model_cfg: Any, dataset: SFTDataset) -> dict[str, list[float]]:
-    """Per module, each sample's cost (what the module's group balances); 0 where an encoder has nothing to do.
-
-    The language model's cost falls back to the token count, an encoder's to its placeholder count."""
+def module_costs(family: Family, model_cfg: Any, dataset: SFTDataset) -> dict[str, list[float]]:
+    """Per module, each sample's cost (what the module's group balances: its forward FLOPs, ``Module.cost``); 0
+    where an encoder has nothing to do."""
     infos = [dataset.info(i) for i in range(len(dataset))]
     out: dict[str, list[float]] = {}
     for enc in family.encoders:
-        tokens = [enc.info_tokens(info, model_cfg) if enc.info_tokens else
-                  info.token_counts.get(enc.token_id(model_cfg), 0) for info in infos]
-        out[enc.name] = [(float(enc.cost(info, model_cfg)) if enc.cost else float(n)) if n else 0.0
-                         for info, n in zip(infos, tokens, strict=True)]
+        out[enc.name] = [float(enc.cost(info, model_cfg)) if enc.num_placeholders(info, model_cfg) else 0.0
+                         for info in infos]
     lang = family.language
-    out[lang.name] = [float(lang.cost(info, model_cfg)) if lang.cost else float(info.num_tokens) for info in infos]
+    out[lang.name] = [float(lang.cost(info, model_cfg)) for info in infos]
     return out
 
 
@@ -145,7 +165,7 @@ class Prepared:
 
     inputs: RunInputs
     dataset: SFTDataset
-    spec: dict
+    spec: DatasetSpec
     planner: BatchPlanner
 
 
@@ -154,6 +174,5 @@ def prepare(cfg: Config) -> Prepared:
     inputs = resolve_inputs(cfg)
     spec = dataset_spec(inputs, inputs.train_path)
     dataset = open_dataset(spec)
-    check_modalities(inputs.family, dataset)
-    spec["validated"] = dataset.validation  # workers reuse it instead of reading every header again
+    spec = replace(spec, validated=dataset.validation)  # workers reuse it instead of reading every header again
     return Prepared(inputs, dataset, spec, make_planner(inputs, dataset))

@@ -20,6 +20,7 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ from dhp.inputs import dataset_spec, open_dataset, prepare
 from dhp.observe.flops import Peak, mfu, run_peak, sample_flops
 from dhp.observe.trace import TraceWriter, traced_steps
 from dhp.runtime.errors import WorkerError
+from dhp.storage import AnyPath, RunFiles, UrlPath, check_writable, download_dir, location, rmtree
 
 # ---- logging -----------------------------------------------------------------------------------
 
@@ -102,18 +104,18 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "workers.json", "fi
              "tensorboard")
 
 
-def previous_run(out: Path) -> list[str]:
+def previous_run(out: AnyPath) -> list[str]:
     """What of an earlier run ``out`` holds."""
     return [name for name in RUN_FILES if (out / name).exists()]
 
 
-def choose_start(cfg: Config, out: Path) -> tuple[Path, dict] | None:
+def choose_start(cfg: Config, out: AnyPath) -> tuple[AnyPath, dict] | None:
     """The checkpoint to resume from, or None for a fresh start; refuses to overwrite another run silently.
 
     Decided before anything starts, so a refused run leaves nothing behind."""
     resume = cfg.train.resume
     if resume not in ("auto", "none"):
-        ckpt = Path(resume)
+        ckpt = location(resume)  # a path or a URL
         try:
             return ckpt, checkpoint.read_record(ckpt)
         except CheckpointError as e:
@@ -135,10 +137,12 @@ def choose_start(cfg: Config, out: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def clear_previous_run(out: Path) -> None:
+def clear_previous_run(out: AnyPath) -> None:
     for name in RUN_FILES:
         p = out / name
-        if p.is_dir():
+        if isinstance(p, UrlPath):
+            rmtree(p)
+        elif p.is_dir():
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
@@ -195,11 +199,12 @@ def model_record(model_cfg: object) -> dict:
 class Run:
     """One training run: the backend (restarted on failure), the metrics, the checkpoints."""
 
-    def __init__(self, cfg: Config, out: Path) -> None:
+    def __init__(self, cfg: Config, out: AnyPath) -> None:
         self.cfg, self.out = cfg, out
+        self.files: RunFiles | None = None  # where the run's own files are written (staged for a URL)
         self.start_from = choose_start(cfg, out)
         prepared = prepare(cfg)  # inputs, validated data, the plan (each group balancing its own cost)
-        self.inputs, self.dataset, self.spec, self.planner = (prepared.inputs, prepared.dataset, prepared.spec,
+        self.inputs, self.dataset, self.dataset_spec, self.planner = (prepared.inputs, prepared.dataset, prepared.spec,
                                                               prepared.planner)
         self.family = self.inputs.family
         self.lengths = self.dataset.lengths()  # tokens per sample, for the per-step token count
@@ -264,7 +269,7 @@ class Run:
             self.inputs = resolve_worker_gpus(self.inputs)  # runtime.gpus_per_worker=auto: what the cluster has
         print(f"dhp: starting the {self.cfg.runtime.backend} backend: {self._groups_text()}", flush=True)
         print(f"dhp: {self._precision_text()}", flush=True)
-        self.backend = make_backend(self.inputs, self.dataset, self.spec)
+        self.backend = make_backend(self.inputs, self.dataset, self.dataset_spec)
         step = 0
         if start is not None:
             ckpt, record = start
@@ -294,13 +299,14 @@ class Run:
         return groups_text(self.inputs.cfg, self.family.module_names)
 
     def write_workers(self) -> None:
-        (self.out / "workers.json").write_text(json.dumps(self.backend.workers(), indent=2) + "\n")
+        (self.files.local / "workers.json").write_text(json.dumps(self.backend.workers(), indent=2) + "\n")
+        self.files.sync()
 
     # -- checkpoints
     def save(self, step: int, epoch: int) -> Path:
         ckpt = checkpoint.step_dir(self.out, step)
         if ckpt.exists():
-            shutil.rmtree(ckpt)
+            rmtree(ckpt) if isinstance(ckpt, UrlPath) else shutil.rmtree(ckpt)
         t0 = time.perf_counter()
         per_group = self.backend.save_checkpoint(ckpt)
         checkpoint.finish(ckpt, {**self.record_base, "step": step, "epoch": epoch,
@@ -308,6 +314,7 @@ class Run:
         blocked = time.perf_counter() - t0
         self.save_seconds.append(blocked)
         removed = checkpoint.prune(self.out, self.cfg.train.keep_checkpoints)
+        self.files.sync()  # a URL output.dir gets the metrics up to this checkpoint
         print(f"dhp: checkpoint {ckpt} (step {step}) written in {blocked:.2f} s"
               + (f"; removed {', '.join(p.name for p in removed)}" if removed else ""), flush=True)
         return ckpt
@@ -333,13 +340,17 @@ class Run:
             if self.start_from is None:
                 out.mkdir(parents=True, exist_ok=True)
                 clear_previous_run(out)
-            dump_config(cfg, out / "config.yaml")
+            self.files = RunFiles(out)
+            if self.start_from is not None:
+                self.files.pull("metrics.jsonl")  # the rows up to the checkpoint, from a URL output.dir
+            dump_config(cfg, self.files.local / "config.yaml")
             self.write_workers()
             print(f"dhp: {len(self.dataset)} training samples from {self.inputs.train_path} "
                   f"({len(self.dataset.skipped)} skipped); model {self.family.name}; output {out}", flush=True)
-            metrics = MetricsLog(out, steps, cfg.train.log_every, start_step=step, tensorboard=cfg.output.tensorboard)
+            metrics = MetricsLog(self.files.local, steps, cfg.train.log_every, start_step=step,
+                                 tensorboard=cfg.output.tensorboard)
             steps_traced = traced_steps(cfg.output.trace_steps)
-            self.trace = TraceWriter(out / "trace.json", list(self.family.module_names), steps_traced) \
+            self.trace = TraceWriter(self.files.local / "trace.json", list(self.family.module_names), steps_traced) \
                 if steps_traced else None
             if step >= steps:
                 print(f"dhp: {out} is already at step {step} of train.steps={steps}: nothing to train (raise "
@@ -376,10 +387,29 @@ class Run:
             elif step > 0:
                 last_ckpt = self.save(step, self.planner.plan(step - 1).epoch)
             metrics.close()
+        except BaseException:
+            if self.files is not None:
+                self._sync_files()
+                self.files.close()
+                self.files = None
+            raise
         finally:
             stop.__exit__()
             self.backend.shutdown()
-        return self.finish(rows, last_ckpt, time.perf_counter() - start, failures)
+        try:
+            return self.finish(rows, last_ckpt, time.perf_counter() - start, failures)
+        finally:
+            self._sync_files()  # metrics, trace, summary: to a URL output.dir
+            self.files.close()
+
+    def _sync_files(self) -> None:
+        """Upload the staged run files to a URL output.dir; a failure here is reported, never hides the run's own."""
+        if self.files is None:
+            return
+        try:
+            self.files.sync()
+        except Exception as e:  # noqa: BLE001 - any storage error: say it, keep the run's outcome
+            print(f"dhp: could not upload the run's files to {self.out}: {type(e).__name__}: {e}", flush=True)
 
     # -- observability: model FLOPs per sample, the peak MFU is measured against, the timeline
     def _init_observability(self) -> None:
@@ -487,9 +517,6 @@ class Run:
         final = out / "final"
         wants_eval = cfg.train.eval_at_end and inputs.eval_path is not None and cfg.data.eval_samples > 0
         if (cfg.output.save_final or wants_eval) and ckpt is not None:
-            if family.hf_key is None or family.hf_config is None or family.full_model is None:
-                raise ConfigError(f"model family {family.name} has no Hugging Face export; set "
-                                  "output.save_final=false and train.eval_at_end=false")
             print(f"dhp: exporting {ckpt.name} to {final} (Hugging Face safetensors, shard by shard)", flush=True)
             checkpoint.export_hf(ckpt, final, family, inputs.model_cfg, inputs.tokenizer_dir,
                                  source_dir=checkpoint.source_dir(cfg))
@@ -501,16 +528,24 @@ class Run:
         if wants_eval and "checkpoint" in summary:
             from dhp.evaluate import evaluate
 
-            model = family.full_model(inputs.model_cfg, family.load_hf_state(final))  # the driver holds it for eval
+            model = family.full_model(inputs.model_cfg, _load_exported(family, final))  # the driver holds it for eval
             eval_ds = open_dataset(dataset_spec(inputs, inputs.eval_path))
             summary["eval"] = evaluate(model, eval_ds, Tokenizer(inputs.tokenizer_dir), cfg.data.eval_samples,
                                        cfg.data.max_new_tokens)
         if not cfg.output.save_final and final.exists() and "checkpoint" in summary:
-            shutil.rmtree(final)  # exported only to evaluate
+            rmtree(final) if isinstance(final, UrlPath) else shutil.rmtree(final)  # exported only to evaluate
             del summary["checkpoint"]
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (self.files.local / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print_summary(summary)
         return summary
+
+
+def _load_exported(family: object, final: AnyPath) -> dict:
+    """The exported weights, read back (a URL's export is downloaded to a temporary directory first)."""
+    if not isinstance(final, UrlPath):
+        return family.weights.load_hf(final)
+    with tempfile.TemporaryDirectory(prefix="dhp-eval-") as d:
+        return family.weights.load_hf(download_dir(final, Path(d)))
 
 
 def groups_text(cfg: Config, modules: tuple[str, ...] | list[str]) -> str:
@@ -540,7 +575,9 @@ def layout_text(cfg: Config, m: str) -> str:
 def train(cfg: Config) -> dict:
     """Run training as configured; returns the summary (also written to output.dir/summary.json)."""
     torch.manual_seed(cfg.train.seed)
-    return Run(cfg, Path(cfg.output.dir)).execute()
+    out = location(cfg.output.dir)  # a local path, or a URL (s3://, gs://: dhp/storage.py)
+    check_writable(out)
+    return Run(cfg, out).execute()
 
 
 def print_summary(summary: dict) -> None:

@@ -5,14 +5,12 @@ Both implement ``dhp.backends.base.Backend``; the driver loop (``dhp.train``) se
 
 from __future__ import annotations
 
-from typing import Any
-
 from dhp.backends.base import Backend
 from dhp.data.llava import SFTDataset
-from dhp.inputs import RunInputs
+from dhp.inputs import DatasetSpec, RunInputs
 
 
-def make_backend(inputs: RunInputs, dataset: SFTDataset, spec: dict[str, Any]) -> Backend:
+def make_backend(inputs: RunInputs, dataset: SFTDataset, spec: DatasetSpec) -> Backend:
     if inputs.cfg.runtime.backend == "local":
         from dhp.backends.local import LocalBackend
 

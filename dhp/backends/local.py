@@ -89,7 +89,7 @@ class LocalBackend:
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
         for e in self.engines:
-            out.update({f"{e.spec.weight_prefix}.{k}": v for k, v in e.state_dict().items()})
+            out.update({f"{e.definition.weight_prefix}.{k}": v for k, v in e.state_dict().items()})
         return out
 
     def rank_state_dicts(self) -> dict[str, list[dict[str, torch.Tensor]]]:

@@ -8,6 +8,7 @@ One step, per micro-batch round k (``StepPlan.rounds``), for every encoder e:
     e rank a of replica q:   forward(k, ids_q)                       its slice of the replica's samples
     e rank a -> text replica r:  emit(k, ids_q ∩ ids_r)              router: (token index, embeddings) pieces
     text rank b of replica r:  forward_backward(k, ids_r, sources, *pieces)   every TP rank gets every piece
+                               (p2p under Megatron SP: each TP rank the rows of its sequence slice only)
     text head of r -> e replica q:  emit_grads(k, e, ids_r ∩ ids_q)  router: whole per-sample gradients
     e rank a:                backward(k, *grads)                     takes the rows of its own slice
 
@@ -43,12 +44,13 @@ from dhp.backends.ray_workers import EncoderWorker, LanguageWorker
 from dhp.config import Config, ConfigError
 from dhp.data.sampler import Round, StepPlan, schedule_turns
 from dhp.engine import encoder_trains
-from dhp.inputs import RunInputs
-from dhp.models.spec import FamilySpec
-from dhp.runtime import Broadcast, LayoutError, Runtime, WorkerGroup
-from dhp.runtime import ModuleSpec as GroupSpec
+from dhp.inputs import DatasetSpec, EngineInit, RunInputs
+from dhp.models.spec import Family
+from dhp.runtime import Broadcast, GroupSpec, LayoutError, Runtime, WorkerGroup
 from dhp.runtime.data_plane import Incoming
 from dhp.runtime.mesh import ModuleLayout
+from dhp.runtime.placement import GroupResources, lost_nodes
+from dhp.storage import check_shared_output
 
 COMPUTE_PHASES = ("forward", "backward", "forward_backward")  # what a replica's busy time counts
 
@@ -61,12 +63,12 @@ class Emitted(NamedTuple):
     ref: Any
 
 
-def module_layouts(cfg: Config, family: FamilySpec, model_cfg: Any) -> list[ModuleLayout]:
+def module_layouts(cfg: Config, family: Family, model_cfg: Any) -> list[ModuleLayout]:
     """The (dp, inner) layout of each group, encoders first; rejects what cannot work, before any actor starts."""
     out = []
     for spec in family.modules:
         p = cfg.module(spec.name).parallel
-        problem = spec.check_layout(model_cfg, p.sp, p.tp) if spec.check_layout else None
+        problem = spec.check_layout(model_cfg, p.sp, p.tp)
         if problem:
             raise ConfigError(problem)
         if p.sp > 1:
@@ -97,6 +99,30 @@ def resolve_worker_gpus(inputs: RunInputs) -> RunInputs:
     return replace(inputs, cfg=replace(cfg, runtime=replace(rt, gpus_per_worker=gpus)))
 
 
+def group_resources(cfg: Config, modules: list[str]) -> dict[str, GroupResources]:
+    """Each group's reservation and node pool (``<module>.resources``; unset numbers: the runtime's defaults,
+    ``runtime.gpus_per_worker`` already a number). The groups must agree on CPU or GPU: the data plane's
+    process groups span them all, with one collective backend."""
+    rt = cfg.runtime
+    out = {}
+    for m in modules:
+        r = cfg.module(m).resources
+        out[m] = GroupResources(
+            float(rt.cpus_per_worker if r.num_cpus is None else r.num_cpus),
+            float(rt.gpus_per_worker if r.num_gpus is None else r.num_gpus),
+            r.accelerator_type, dict(r.label_selector), dict(r.custom), r.strategy)
+    on_gpu = {m: g.num_gpus > 0 for m, g in out.items()}
+    if len(set(on_gpu.values())) > 1:
+        raise ConfigError(f"<module>.resources.num_gpus: some groups train on GPUs and some on CPUs ({on_gpu}); "
+                          "the groups share one collective backend (NCCL or gloo): give every group GPUs or none")
+    return out
+
+
+def worker_gpus(resources: dict[str, GroupResources]) -> float:
+    """The GPUs of a worker as the backend choice sees them (every group's are > 0, or all 0)."""
+    return max(g.num_gpus for g in resources.values())
+
+
 def check_local_budget(cfg: Config, sizes: dict[str, int]) -> None:
     """Before a local Ray starts: does the layout fit this machine's CPUs and GPUs? (Ray would say so only
     after starting; a run that joins a cluster, or a Ray already running here, is checked against it later.)"""
@@ -112,12 +138,26 @@ def check_local_budget(cfg: Config, sizes: dict[str, int]) -> None:
     from dhp.runtime import plan_placement
     from dhp.runtime.placement import check_fits
 
-    plan = plan_placement(rt.placement, sizes, rt.cpus_per_worker, rt.gpus_per_worker)
     machine = {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
     try:
+        plan = plan_placement(rt.placement, sizes, rt.cpus_per_worker, rt.gpus_per_worker,
+                              group_resources(cfg, list(sizes)))
         check_fits(plan, machine, [machine])
     except LayoutError as e:
         raise ConfigError(f"runtime: {e} (this machine: {machine['CPU']:g} CPUs, {machine['GPU']:g} GPUs)") from None
+
+
+def resume_hint() -> str:
+    """On a cluster that lost nodes: the command that resumes the run once capacity is back."""
+    if not lost_nodes():
+        return ""
+    import shlex
+    import sys
+
+    cmd = " ".join(shlex.quote(a) for a in ["dhp", *sys.argv[1:]]) if sys.argv[0].endswith("dhp") else \
+        "dhp train ... (the same config and overrides)"
+    return (f". The cluster has lost {lost_nodes()} node(s); the newest complete checkpoint in output.dir is kept: "
+            f"once the nodes are back, resume with the same command (train.resume=auto): {cmd}")
 
 
 def check_encoders_fed(cfg: Config, encoders: list[str]) -> None:
@@ -133,7 +173,7 @@ def check_encoders_fed(cfg: Config, encoders: list[str]) -> None:
 
 
 class RayBackend:
-    def __init__(self, inputs: RunInputs, dataset_spec: dict[str, Any]) -> None:
+    def __init__(self, inputs: RunInputs, dataset_spec: DatasetSpec) -> None:
         inputs = resolve_worker_gpus(inputs)  # runtime.gpus_per_worker=auto: what the cluster holds
         cfg, family = inputs.cfg, inputs.family
         rt = cfg.runtime
@@ -148,33 +188,39 @@ class RayBackend:
         worker = {**{e: EncoderWorker for e in self.encoders}, self.lang: LanguageWorker}
         check_encoders_fed(cfg, self.encoders)
         check_local_budget(cfg, {m: self.layout[m].size for m in self.modules})
-        self.runtime = Runtime(
-            {m: GroupSpec(worker[m], self.layout[m].size, kwargs={"collective_timeout_s": rt.collective_timeout_s},
-                          replica_size=self.layout[m].inner) for m in self.modules},
-            placement=rt.placement,
-            cpus_per_worker=rt.cpus_per_worker,
-            gpus_per_worker=rt.gpus_per_worker,
-            transport=rt.transport,
-            address=rt.ray_address,
-        )
+        resources = group_resources(cfg, self.modules)
+        try:
+            self.runtime = Runtime(
+                {m: GroupSpec(worker[m], self.layout[m].size,
+                              kwargs={"collective_timeout_s": rt.collective_timeout_s},
+                              replica_size=self.layout[m].inner) for m in self.modules},
+                placement=rt.placement,
+                cpus_per_worker=rt.cpus_per_worker,
+                gpus_per_worker=worker_gpus(resources),
+                transport=rt.transport,
+                address=rt.ray_address,
+                resources=resources,
+                capacity_wait_s=rt.capacity_wait_s,
+            )
+        except LayoutError as e:
+            raise ConfigError(f"runtime: {e}") from None
         try:
             self.runtime.start()
+            check_shared_output(cfg.output.dir, self.runtime.actor_per_node())  # one output.dir, seen by all nodes
             backend = self.runtime.backend
             pending = [self.group(m).setup_parallel.submit(self.layouts, backend, cfg.module(m).parallel)
                        for m in self.modules]
             for p in pending:
                 p.get()
-            device = "cuda" if rt.gpus_per_worker > 0 else "cpu"
+            device = "cuda" if worker_gpus(resources) > 0 else "cpu"
             self.data_plane = self.runtime.setup.data_plane
-            engine_spec = {"family": family, "model_cfg": inputs.model_cfg, "cfg": cfg, "device": device,
-                           "data_plane": self.data_plane,
-                           **dataset_spec}  # weights: each rank materializes or reads its own shards
-            pending = [self.group(m).init_engine.submit(engine_spec) for m in self.modules]
+            init = EngineInit(family, inputs.model_cfg, cfg, device, self.data_plane, dataset_spec)
+            pending = [self.group(m).init_engine.submit(init) for m in self.modules]
             for p in pending:
                 p.get()
         except LayoutError as e:
             self.runtime.shutdown()
-            raise ConfigError(f"runtime: {e}") from None
+            raise ConfigError(f"runtime: {e}{resume_hint()}") from None
         except BaseException:
             self.runtime.shutdown()
             raise
@@ -273,17 +319,19 @@ class RayBackend:
         """A module rank's rank in the world the p2p data plane's process groups span."""
         return self.runtime.setup.coordinates[module][rank]["global_rank"]
 
-    def _targets(self, e: str, rnd: Round) -> list[list[tuple[list[int], list[int]]]]:
-        """[encoder replica q] -> (global ranks of text replica r, the samples of r that q encodes), for each r
-        that needs some (p2p data plane: the encoder ranks send to these ranks as soon as they have encoded)."""
+    def _targets(self, e: str, rnd: Round) -> list[list[tuple[list[int], list[int], list[int]]]]:
+        """[encoder replica q] -> (global ranks of text replica r, the samples of r that q encodes, all of r's
+        samples in packing order), for each r that needs some (p2p data plane: the encoder ranks send to these
+        ranks as soon as they have encoded; under text Megatron SP each rank the rows of its sequence slice)."""
         text, lang = rnd.replicas(self.lang), self.layout[self.lang]
-        out: list[list[tuple[list[int], list[int]]]] = []
+        out: list[list[tuple[list[int], list[int], list[int]]]] = []
         for enc_ids in rnd.replicas(e):
             mine = []
             for r, text_ids in enumerate(text):
                 shared = sorted(set(text_ids).intersection(enc_ids))
                 if shared:
-                    mine.append(([self._global_rank(self.lang, b) for b in lang.ranks_of_replica(r)], shared))
+                    ranks = [self._global_rank(self.lang, b) for b in lang.ranks_of_replica(r)]
+                    mine.append((ranks, shared, list(text_ids)))
             out.append(mine)
         return out
 
@@ -297,9 +345,19 @@ class RayBackend:
                 rows = tuple((i, meta["rows"][i]) for i in shared if meta["rows"].get(i, 0))
                 if rows:
                     reply = tuple(self._global_rank(e, b) for b in self._gradient_ranks(e, q, a))
-                    inc = Incoming(e, self._global_rank(e, a), rows, meta["width"], meta["dtype"], reply)
+                    inc = Incoming(e, self._global_rank(e, a), rows, meta["width"], meta["dtype"], reply,
+                                   self._parts(meta, r, shared))
                     out[r].append(Emitted(e, a, inc))
         return out
+
+    def _parts(self, meta: dict[str, Any], r: int, shared: list[int]) -> tuple:
+        """Each rank of text replica r's own rows of ``shared``, where the encoder rank sent each its sequence
+        slice (``meta["to"]``: text Megatron SP); () where every rank got them all."""
+        if "to" not in meta:
+            return ()
+        ranks = [self._global_rank(self.lang, b) for b in self.layout[self.lang].ranks_of_replica(r)]
+        return tuple((g, tuple((i, meta["to"][g][i]) for i in shared if i in meta["to"][g]))
+                     for g in ranks if g in meta["to"])
 
     def _gradient_ranks(self, module: str, q: int, a: int) -> list[int]:
         """The ranks that take the gradients of the rows rank ``a`` of replica ``q`` sent: ``a`` itself under SP

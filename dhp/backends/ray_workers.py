@@ -5,7 +5,7 @@ the single-process reference trainer runs; the worker adds the process groups
 of its layout, loads its own samples by id (media never pass through the
 driver), and hands tensors to the other groups through methods marked
 ``@produces_tensors`` (Ray Direct Transport, or the object store). Which module
-a worker runs is data (its group's name and the family's ``ModuleSpec``): an
+a worker runs is data (its group's name and the family's ``Module``): an
 encoder group of a new family needs no new worker class.
 
 Per micro-batch round ``key``:
@@ -31,10 +31,20 @@ import torch
 
 from dhp.backends.base import process_memory_gb
 from dhp.data.loader import AheadLoader
-from dhp.engine import EncoderEngine, LanguageEngine, ModuleEngine, Parallel, Piece
+from dhp.engine import EncoderEngine, LanguageEngine, ModuleEngine, Parallel, Piece, sequence_slice, slot_positions
+from dhp.inputs import EngineInit
 from dhp.parallel.comm import CommCounter
 from dhp.runtime import Collect, Split, WorkerBase, dispatch, produces_tensors
-from dhp.runtime.data_plane import Incoming, P2PChannel, dtype_name, open_cuda, pack_rows, share_cuda, split_rows
+from dhp.runtime.data_plane import (
+    Incoming,
+    P2PChannel,
+    dtype_name,
+    open_cuda,
+    pack_rows,
+    rows_by_receiver,
+    share_cuda,
+    split_rows,
+)
 from dhp.runtime.mesh import ModuleLayout, create_mesh_groups, device_mesh
 
 
@@ -82,7 +92,7 @@ class EngineWorker(WorkerBase):
         mesh = device_mesh(layout, offset, groups, "cuda" if backend == "nccl" else "cpu")
         self.layout = layout
         self.par = Parallel(
-            spec=spec,
+            config=spec,
             inner_kind=layout.inner_name if layout.inner > 1 else "none",
             dp_rank=layout.replica_of(self.rank),
             inner_rank=layout.inner_rank(self.rank),
@@ -93,17 +103,17 @@ class EngineWorker(WorkerBase):
         )
         return {"rank": self.rank, "replica": self.par.dp_rank, "inner_rank": self.par.inner_rank}
 
-    def _dataset(self, spec: dict[str, Any]):
+    def _dataset(self, init: EngineInit):
         from dhp.inputs import open_dataset
 
-        return open_dataset(spec)
+        return open_dataset(init.dataset)
 
-    def _keep_turns_apart(self, spec: dict[str, Any]) -> None:
-        self.empty_cache = empties_cache_between_turns(spec["cfg"], spec["device"])
+    def _keep_turns_apart(self, init: EngineInit) -> None:
+        self.empty_cache = empties_cache_between_turns(init.cfg, init.device)
 
-    def _open_data_plane(self, spec: dict[str, Any]) -> None:
-        """This rank's end of the data plane the runtime chose (``spec["data_plane"]``)."""
-        self.data_plane = spec.get("data_plane", "ray")
+    def _open_data_plane(self, init: EngineInit) -> None:
+        """This rank's end of the data plane the runtime chose (``init.data_plane``)."""
+        self.data_plane = init.data_plane
         if self.data_plane == "p2p":
             if not self.data_plane_groups:
                 raise RuntimeError(f"{self.module} rank {self.rank}: p2p data plane without its process groups")
@@ -115,8 +125,8 @@ class EngineWorker(WorkerBase):
         end = time.time()
         self.spans.append({"phase": "router_wait", "round": key, "start": end - seconds, "end": end})
 
-    def _set_counting(self, spec: dict[str, Any]) -> None:
-        self.comm = CommCounter() if spec["cfg"].runtime.count_collectives else None
+    def _set_counting(self, init: EngineInit) -> None:
+        self.comm = CommCounter() if init.cfg.runtime.count_collectives else None
 
     def counting(self) -> Any:
         """The comm counter's context where it is on (``runtime.count_collectives``), else nothing at all."""
@@ -183,9 +193,12 @@ class EngineWorker(WorkerBase):
 
     @dispatch(split=Split.ALL, collect=Collect.ALL)
     def identity(self) -> dict[str, Any]:
-        """Where this rank runs: module, rank, node, pid (for workers.json: find or kill a rank's process)."""
-        return {"module": self.module, "rank": self.rank, "node": ray.util.get_node_ip_address(),
-                "hostname": socket.gethostname(), "pid": os.getpid()}
+        """Where this rank runs: module, rank, node (its IP), Ray node id, pid (for workers.json: find or kill a
+        rank's process, see which node pool a group landed on)."""
+        ip = ray.util.get_node_ip_address()
+        return {"module": self.module, "rank": self.rank, "node": ip, "ip": ip,
+                "node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(),
+                "pid": os.getpid()}
 
     @dispatch(split=Split.ALL, collect=Collect.RANK_ZERO)
     def save_checkpoint(self, path: str) -> float:
@@ -213,16 +226,29 @@ class EncoderWorker(EngineWorker):
     """One rank of an encoder group (vision, audio, ...): which encoder is its group's module name."""
 
     @dispatch(split=Split.ALL, collect=Collect.ALL)
-    def init_engine(self, spec: dict[str, Any]) -> None:
-        family = spec["family"]
-        self.loader = AheadLoader(self._dataset(spec).get, spec["cfg"].data.loader_workers)
-        self.engine = EncoderEngine(family.module(self.module), family, spec["model_cfg"], spec["cfg"],
-                                    self.loader.take, par=self.par, device=spec["device"])
-        self._keep_turns_apart(spec)
-        self._set_counting(spec)
-        self._open_data_plane(spec)
+    def init_engine(self, init: EngineInit) -> None:
+        family = init.family
+        self.dataset = self._dataset(init)
+        self.loader = AheadLoader(self.dataset.get, init.cfg.data.loader_workers)
+        text = init.cfg.module(family.language.name).parallel
+        # Megatron SP on the text side: each of its TP ranks gets the rows of its sequence slice only (p2p)
+        self.text_slices = text.sequence_parallel and text.tp > 1
+        self.slots: dict[int, torch.Tensor] = {}  # sample id -> its placeholder positions (text_slices only)
+        self.engine = EncoderEngine(family.module(self.module), family, init.model_cfg, init.cfg, self._take,
+                                    par=self.par, device=init.device)
+        self._keep_turns_apart(init)
+        self._set_counting(init)
+        self._open_data_plane(init)
         self.outputs: dict[Any, dict[int, Piece]] = {}
-        self.sent: dict[Any, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}  # key -> (text head, rows) sent
+        self.sent: dict[Any, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}  # key -> (text rank, rows) sent
+
+    def _take(self, i: int, pixels: bool = True) -> Any:
+        """The loader's sample ``i``; where text ranks get sequence slices, its placeholder positions noted."""
+        sample = self.loader.take(i, pixels)
+        if self.text_slices:
+            ids = self.engine.definition.placeholder_ids(self.engine.model_cfg)
+            self.slots[i] = slot_positions(sample.input_ids, ids)
+        return sample
 
     @dispatch(split=Split.REPLICA, collect=Collect.ALL)
     def prefetch(self, key: Any, sample_ids: list[int]) -> None:
@@ -248,30 +274,57 @@ class EncoderWorker(EngineWorker):
         self.waiting["data"] += self.loader.pop_waited()  # part of the forward: its samples were not ready
         width = next(iter(out.values()))[1].shape[-1] if out else 0
         dtype = dtype_name(next(iter(out.values()))[1].dtype) if out else "float32"
+        result = {"rows": {sid: len(index) for sid, (index, _) in out.items()}, "width": width, "dtype": dtype}
         if targets is not None:
-            self._send_pieces(key, out, targets)
+            to = self._send_pieces(key, out, targets)
+            if self.text_slices:  # what each text rank receives: its sequence slice's rows
+                result["to"] = to
         elif out:  # kept until the last text replica's emit; a rank with nothing to hand out keeps nothing
             self.outputs[key] = out
-        return {"rows": {sid: len(index) for sid, (index, _) in out.items()}, "width": width, "dtype": dtype}
+        self.slots = {}
+        return result
 
     def _shared(self, obj: Any) -> Any:
         """What goes through Ray: the tensors themselves, or (``cuda_ipc``) their CUDA IPC handles."""
         return share_cuda(obj) if self.data_plane == "cuda_ipc" else obj
 
-    def _send_pieces(self, key: Any, out: dict[int, Piece], targets: list[tuple[list[int], list[int]]]) -> None:
-        """Send each text replica the rows of its samples (every one of its ranks: under TP each needs them);
-        remember what went to each replica's head, which sends their gradients back."""
+    def _send_pieces(self, key: Any, out: dict[int, Piece],
+                     targets: list[tuple[list[int], list[int], list[int]]]) -> dict[int, dict[int, int]]:
+        """Send each text replica the rows of its samples: to every one of its ranks (under TP each needs them),
+        or, where its ranks keep sequence slices (Megatron SP), to each rank the rows of its slice; remember
+        what went where: the gradients come back from there (the replica's head, or each slice's rank).
+        A target is (the replica's global ranks, its samples this rank's replica encodes, all its samples in
+        the order it packs them). Returns {text rank: {sample id: rows}} of the sliced sends."""
         sends = self.par is None or self.par.inner_kind != "tp" or self.par.inner_rank == 0  # TP ranks agree
-        sent = []
-        for ranks, ids in targets:
-            counts, index, rows = pack_rows(out, list(ids), self.engine.device)
-            if not counts:
-                continue
-            for peer in ranks if sends else ():
-                self.bytes_out += self.channel.send("forward", peer, [index, rows])
-            sent.append((ranks[0], counts))
+        sent, to = [], {}
+        for ranks, ids, batch in targets:
+            if self.text_slices:
+                parts = self._slices(out, list(ids), list(ranks), list(batch))
+            else:
+                counts, index, rows = pack_rows(out, list(ids), self.engine.device)
+                parts = [(peer, counts, index, rows) for peer in ranks] if counts else []
+            for peer, counts, index, rows in parts:
+                if sends:
+                    self.bytes_out += self.channel.send("forward", peer, [index, rows])
+                to[peer] = dict(counts)
+            if self.text_slices:
+                sent += [(peer, counts) for peer, counts, _, _ in parts]
+            elif parts:
+                sent.append((ranks[0], parts[0][1]))
         if self.engine.needs_backward:
             self.sent[key] = sent
+        return to
+
+    def _slices(self, out: dict[int, Piece], ids: list[int], ranks: list[int],
+                batch: list[int]) -> list[tuple[int, tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor]]:
+        """(text rank, rows, token index, rows) for each rank of a text replica that packs ``batch``: the rows
+        of ``ids`` that fall in its Megatron-SP sequence slice (sample lengths from the data set's index)."""
+        offsets, n = {}, 0
+        for i in batch:
+            offsets[i] = n
+            n += self.dataset.info(i).num_tokens
+        receivers = [(peer, *sequence_slice(n, len(ranks), t)) for t, peer in enumerate(ranks)]
+        return rows_by_receiver(out, ids, offsets, self.slots, receivers, self.engine.device)
 
     @produces_tensors
     def emit(self, key: Any, sample_ids: list[int], last: bool) -> dict[int, Piece]:
@@ -323,14 +376,14 @@ class LanguageWorker(EngineWorker):
     """One rank of the language-model group."""
 
     @dispatch(split=Split.ALL, collect=Collect.ALL)
-    def init_engine(self, spec: dict[str, Any]) -> None:
-        family = spec["family"]
-        self.loader = AheadLoader(self._dataset(spec).get, spec["cfg"].data.loader_workers, pixels=False)
-        self.engine = LanguageEngine(family, spec["model_cfg"], spec["cfg"], self.loader.take, par=self.par,
-                                     device=spec["device"])
-        self._keep_turns_apart(spec)
-        self._set_counting(spec)
-        self._open_data_plane(spec)
+    def init_engine(self, init: EngineInit) -> None:
+        # no pinning: the samples' tensors are packed into new ones, which the engine pins (CUDA) and copies
+        self.loader = AheadLoader(self._dataset(init).get, init.cfg.data.loader_workers, pixels=False, pin=False)
+        self.engine = LanguageEngine(init.family, init.model_cfg, init.cfg, self.loader.take, par=self.par,
+                                     device=init.device)
+        self._keep_turns_apart(init)
+        self._set_counting(init)
+        self._open_data_plane(init)
         self.grads: dict[tuple[Any, str], dict[int, torch.Tensor]] = {}
 
     @dispatch(split=Split.REPLICA, collect=Collect.ALL)
@@ -344,7 +397,14 @@ class LanguageWorker(EngineWorker):
         """Loss of this replica's micro-batch (summed) and its supervised-token count.
 
         ``pieces[i]`` came from a rank of encoder ``sources[i]``: its pieces themselves (through Ray), or an
-        ``Incoming`` (p2p data plane): what to receive from that rank, which sends it directly."""
+        ``Incoming`` (p2p data plane): what to receive from that rank, which sends it directly. A sliced
+        ``Incoming`` (Megatron SP) says what each rank of the replica receives: this rank takes its own part
+        (nothing, where none of that sender's rows fall in its sequence slice) and sends back its gradients."""
+        sliced = any(isinstance(p, Incoming) and p.sliced for p in pieces)
+        kept = [(source, p.for_receiver(self.global_rank) if isinstance(p, Incoming) else p)
+                for source, p in zip(sources, pieces, strict=True)]
+        kept = [(source, p) for source, p in kept if p is not None]
+        sources, pieces = [source for source, _ in kept], tuple(p for _, p in kept)
         incoming = [p for p in pieces if isinstance(p, Incoming)]
         got: list[tuple[torch.Tensor, torch.Tensor]] = []
         if incoming:
@@ -364,8 +424,10 @@ class LanguageWorker(EngineWorker):
             for sid, piece in part.items():
                 received[source][sid].append(piece)
         with self.counting():
-            loss, n, grads = self.engine.forward_backward(sample_ids, received)
-        if self.par is None or self.par.inner_rank == 0:  # the replica head hands gradients back
+            loss, n, grads = self.engine.forward_backward(sample_ids, received, sequence_slice=sliced)
+        if sliced:  # each rank hands back the gradients of its own slice's rows
+            self._send_grads(grads, incoming, got)
+        elif self.par is None or self.par.inner_rank == 0:  # the replica head hands gradients back
             if incoming:
                 self._send_grads(grads, incoming, got)
             else:
@@ -385,8 +447,8 @@ class LanguageWorker(EngineWorker):
                 continue
             per_sample = grads[inc.module]
             sizes = [n for _, n in inc.rows]
-            rows = [per_sample[sid][token_index] for (sid, _), token_index in
-                    zip(inc.rows, index.split(sizes), strict=True)]
+            rows = [per_sample[sid][self.engine.gradient_rows(inc.module, sid, token_index)] for (sid, _), token_index
+                    in zip(inc.rows, index.split(sizes), strict=True)]
             grad = torch.cat(rows).to(_dtype_of(inc.dtype))
             for peer in inc.gradient_peers:
                 self.bytes_out += self.channel.send("backward", peer, [grad])

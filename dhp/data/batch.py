@@ -13,59 +13,54 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dhp.data.audio import audio_tokens
-from dhp.data.processor import MERGE_SIZE, PATCH_DIM
-
 IGNORE_INDEX = -100
 
 
-@dataclass
+_CORE = ("index", "input_ids", "labels", "position_ids", "media")
+
+
+@dataclass(init=False)
 class Sample:
+    """One sample: its token ids, labels and position ids, and its media fields (what the family's processor
+    gives: ``Processor.collate``, e.g. ``pixel_values`` and ``image_grid_thw``), read as attributes
+    (``sample.pixel_values``) or from ``media``. A sample loaded without media has its fields shaped from the
+    headers, with empty data tensors."""
+
     index: int  # the sample id in its dataset
     input_ids: torch.Tensor  # [L] long
     labels: torch.Tensor  # [L] long, -100 where not supervised (not shifted)
-    position_ids: torch.Tensor  # [3, L] long (M-RoPE)
-    pixel_values: torch.Tensor  # [N, 1176] float; N = 0 for text-only, or when loaded with pixels=False
-    image_grid_thw: torch.Tensor  # [I, 3] long, I may be 0
-    pixel_values_videos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, PATCH_DIM))  # [Nv, 1176]
-    video_grid_thw: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 3, dtype=torch.long))  # [V, 3]
-    second_per_grid_ts: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [V] float32 seconds
-    # audio clips: log-mel frames [128, F_total] (clips concatenated in time; [128, 0] when loaded without media)
-    audio_features: torch.Tensor = field(default_factory=lambda: torch.zeros(128, 0))
-    audio_feature_lens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [A] frames
+    position_ids: torch.Tensor  # [axes, L] long (the family processor's rotary layout: 3 axes, or 1)
+    media: dict[str, torch.Tensor]  # the processor's fields, by name
+
+    def __init__(self, index: int, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
+                 media: dict[str, torch.Tensor] | None = None, **fields: torch.Tensor) -> None:
+        """``media`` and the keyword ``fields`` together: the sample's media fields."""
+        object.__setattr__(self, "media", {**(media or {}), **fields})
+        self.index, self.input_ids, self.labels, self.position_ids = index, input_ids, labels, position_ids
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        media = self.__dict__.get("media")  # (not self.media: unpickling reads attributes before __init__ ran)
+        if media is not None and name in media:
+            return media[name]
+        names = ", ".join(media or ()) or "none"
+        raise AttributeError(f"this sample has no field {name!r} (its media fields: {names})")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name not in _CORE and name in self.__dict__.get("media", {}):
+            self.media[name] = value
+        else:
+            object.__setattr__(self, name, value)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
     @property
-    def num_patches(self) -> int:
-        """Patches of all images (from the grids, so it holds for a sample loaded without pixels too)."""
-        return int(self.image_grid_thw.prod(-1).sum()) if self.image_grid_thw.shape[0] else 0
-
-    @property
-    def num_image_tokens(self) -> int:
-        """Merged vision tokens (``<|image_pad|>`` slots) = patches / 4."""
-        return self.num_patches // (MERGE_SIZE * MERGE_SIZE)
-
-    @property
-    def num_video_patches(self) -> int:
-        """Patches of all video clips (from the grids)."""
-        return int(self.video_grid_thw.prod(-1).sum()) if self.video_grid_thw.shape[0] else 0
-
-    @property
-    def num_video_tokens(self) -> int:
-        """Merged video tokens (``<|video_pad|>`` slots)."""
-        return self.num_video_patches // (MERGE_SIZE * MERGE_SIZE)
-
-    @property
-    def audio_token_counts(self) -> list[int]:
-        """Audio placeholder tokens per clip (``<|AUDIO|>`` slots): two stride-2 stages over the mel frames."""
-        return [audio_tokens(int(n)) for n in self.audio_feature_lens]
-
-    @property
-    def num_audio_tokens(self) -> int:
-        return sum(self.audio_token_counts)
+    def token_counts(self) -> dict[int, int]:
+        """{token id: occurrences} in the sequence (as ``SampleInfo.token_counts`` gives for special tokens): an
+        encoder counts its placeholders here (``Encoder.placeholder_counts``). Host work on host ids."""
+        ids, counts = torch.unique(self.input_ids, return_counts=True)
+        return dict(zip(ids.tolist(), counts.tolist(), strict=True))
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -95,16 +90,13 @@ class PackedMeta:
 
 @dataclass
 class Batch:
+    """The text side of a packed micro-batch (the encoders read their samples' media themselves)."""
+
     input_ids: torch.Tensor  # [1, T]
-    position_ids: torch.Tensor  # [3, 1, T]
+    position_ids: torch.Tensor  # [axes, 1, T]
     targets: torch.Tensor  # [1, T], already shifted per sample
     cu_seqlens: torch.Tensor  # [n + 1] int32, sample boundaries in the row
-    pixel_values: torch.Tensor  # [N_total, 1176]
-    image_grid_thw: torch.Tensor  # [I_total, 3]
     sample_ids: list[int] = field(default_factory=list)
-    pixel_values_videos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, PATCH_DIM))
-    video_grid_thw: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 3, dtype=torch.long))
-    second_per_grid_ts: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
     @property
     def num_supervised(self) -> int:
@@ -131,33 +123,21 @@ class Batch:
             position_ids=self.position_ids.to(device),
             targets=self.targets.to(device),
             cu_seqlens=self.cu_seqlens.to(device),
-            pixel_values=self.pixel_values.to(device),
-            image_grid_thw=self.image_grid_thw.to(device),
             sample_ids=list(self.sample_ids),
-            pixel_values_videos=self.pixel_values_videos.to(device),
-            video_grid_thw=self.video_grid_thw.to(device),
-            second_per_grid_ts=self.second_per_grid_ts.to(device),
         )
 
 
 def pack(samples: list[Sample]) -> Batch:
-    """Samples -> one packed row; images concatenated in sample order (matching the ``<|image_pad|>`` order)."""
+    """Samples -> one packed row: ids, positions and targets concatenated in sample order."""
     if not samples:
         raise ValueError("pack() needs at least one sample")
     lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.int32)
     cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lengths, 0)
-    pixels = [s.pixel_values.reshape(-1, PATCH_DIM) for s in samples]
-    grids = [s.image_grid_thw.reshape(-1, 3).long() for s in samples]
     return Batch(
         input_ids=torch.cat([s.input_ids.long() for s in samples])[None],
         position_ids=torch.cat([s.position_ids.long() for s in samples], dim=1)[:, None],
         targets=torch.cat([shifted_targets(s.labels.long()) for s in samples])[None],
         cu_seqlens=cu,
-        pixel_values=torch.cat(pixels).float(),
-        image_grid_thw=torch.cat(grids),
         sample_ids=[s.index for s in samples],
-        pixel_values_videos=torch.cat([s.pixel_values_videos.reshape(-1, PATCH_DIM) for s in samples]).float(),
-        video_grid_thw=torch.cat([s.video_grid_thw.reshape(-1, 3).long() for s in samples]),
-        second_per_grid_ts=torch.cat([s.second_per_grid_ts.reshape(-1).float() for s in samples]),
     )

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from dhp.data.tokenizer import DEFAULT_SYSTEM_PROMPT, build_demo_tokenizer
+from dhp.data.tokenizer import DEFAULT_SYSTEM_PROMPT, train_tokenizer
 
 DEMO_VERSION = "2"  # 2: the video clips
 MARKER = ".complete"
@@ -36,6 +36,42 @@ VIDEO_FPS = 2  # each digit is shown for 2 frames (one temporal patch, one secon
 KINDS = ("single", "pair", "collage", "text")
 KIND_WEIGHTS = (0.8, 0.07, 0.08, 0.05)
 EVAL_FRACTION = 0.2  # share of digit instances reserved for the held-out split
+
+
+# The demo tokenizers are Qwen's kind (the demo sets train the Qwen families): their special tokens, and the chat
+# templates shipped with Qwen/Qwen2.5-VL-*-Instruct and Qwen2.5-Omni, written into tokenizer_config.json.
+QWEN2_5_VL_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                             "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+OMNI_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
+                       "<|vision_bos|>", "<|vision_eos|>", "<|vision_pad|>", "<|IMAGE|>", "<|VIDEO|>")
+QWEN2_5_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+# Qwen2.5-Omni's layout of the same conversations: its token names, and audio blocks.
+QWEN2_5_OMNI_CHAT_TEMPLATE = (
+    QWEN2_5_VL_CHAT_TEMPLATE.replace("<|vision_start|>", "<|vision_bos|>").replace("<|vision_end|>", "<|vision_eos|>")
+    .replace("<|image_pad|>", "<|IMAGE|>").replace("<|video_pad|>", "<|VIDEO|>")
+    .replace("{% elif 'text' in content %}", "{% elif content['type'] == 'audio' or 'audio' in content %}"
+             "<|audio_bos|><|AUDIO|><|audio_eos|>{% elif 'text' in content %}")
+)
+
+
+def build_demo_tokenizer(out_dir: str | Path, texts: Sequence[str], vocab_size: int = 384, omni: bool = False) -> Path:
+    """A small byte-level BPE trained on ``texts`` with Qwen2.5-VL's special tokens and chat template (``omni``:
+    Qwen2.5-Omni's: its names for the vision tokens, the audio tokens). Writes ``tokenizer.json`` and
+    ``tokenizer_config.json`` into ``out_dir`` and returns it. Deterministic."""
+    if omni:
+        return train_tokenizer(out_dir, texts, OMNI_SPECIAL_TOKENS, QWEN2_5_OMNI_CHAT_TEMPLATE, vocab_size)
+    return train_tokenizer(out_dir, texts, QWEN2_5_VL_SPECIAL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, vocab_size)
 
 
 @dataclass(frozen=True)

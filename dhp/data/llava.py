@@ -13,9 +13,13 @@ relative to ``data.image_root`` (default: the data file's folder).
 Videos (``docs/video.md``) work the same way: ``<video>`` tags (or ``{"type":
 "video"}`` parts) and a ``video`` (one clip) or ``videos`` (a list of clips)
 entry, each clip a video file (mp4, webm, avi) or a list of frame images.
-Audio (``docs/audio.md``, Qwen2.5-Omni) too: ``<audio>`` tags (or ``{"type":
-"audio"}`` parts) and an ``audio`` or ``audios`` entry of WAV/FLAC/OGG files,
-read and resampled to 16 kHz; the token count comes from the file header.
+Audio (``docs/audio.md``) too: ``<audio>`` tags (or ``{"type": "audio"}``
+parts) and an ``audio`` or ``audios`` entry of WAV/FLAC/OGG files.
+
+What a medium becomes (its token count, its model inputs, the position ids of
+the sequence) is the model family's: its processor (``dhp.data.processor``),
+which this module calls and never second-guesses. This module owns the forms,
+the checks and the error reports.
 
 Why a pre-flight check: a broken sample found at step 10,000 of a multi-node
 run wastes the run. ``SFTDataset`` validates every sample when it is built
@@ -23,7 +27,7 @@ run wastes the run. ``SFTDataset`` validates every sample when it is built
 an assistant turn exists, the exact token count fits ``data.max_length``) and
 either raises one ``DataError`` listing every problem or, with
 ``data.on_error=skip``, drops those samples and records why. Token counts come
-from image headers only (no pixel decoding), so batch plans are exact and cheap.
+from media headers only (no pixel decoding), so batch plans are exact and cheap.
 """
 
 from __future__ import annotations
@@ -31,21 +35,16 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 
 from dhp.config import DataConfig
-from dhp.data.audio import AudioError, features, probe_audio
 from dhp.data.batch import Sample
-from dhp.data.mrope import rope_index
-from dhp.data.processor import PATCH_DIM, grid_thw_for_size, process_image, smart_resize
+from dhp.data.processor import TAGS, Processor
 from dhp.data.tokenizer import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Tokenizer
-from dhp.data.video import TOKENS_PER_SECOND, VideoError, VideoSettings, probe, process_video
 from dhp.errors import DataError
 from dhp.models.spec import SampleInfo
 from dhp.progress import Progress
@@ -67,6 +66,14 @@ class DataIssue:
         return f"{self.file} sample {self.index}: {self.message}"
 
 
+class UnreadMedia(DataError):
+    """The data carries a kind of media the model family's processor does not read (audio for a vision model)."""
+
+    def __init__(self, message: str, file: Path, kind: str, samples: list[int]) -> None:
+        super().__init__(message)
+        self.file, self.kind, self.samples = file, kind, samples  # the media kind, the samples that carry it
+
+
 @dataclass
 class _Record:
     """One sample of the file, normalised: chat messages and absolute image paths."""
@@ -79,54 +86,51 @@ class _Record:
     audios: list[Path] = field(default_factory=list)
     parts: bool = False  # HF chat content: media given as {"type": "image"} parts, not <image> tags
 
+    @property
+    def media(self) -> dict[str, list]:
+        """The sample's media items by kind, in order of appearance."""
+        return {"image": self.images, "video": self.videos, "audio": self.audios}
+
 
 @dataclass(frozen=True)
 class ValidationResult:
     num_records: int
     lengths: dict[int, int]  # record index -> exact token count (good records)
     issues: list[DataIssue]
-    grids: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)  # record -> (t, h, w) per image
+    facts: dict[int, dict[str, tuple]] = field(default_factory=dict)  # record -> {kind: the processor's probe facts}
     token_counts: dict[int, dict[int, int]] = field(default_factory=dict)  # record -> {special token id: count}
-    video_grids: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)  # record -> per clip
-    audio_frames: dict[int, tuple[int, ...]] = field(default_factory=dict)  # record -> log-mel frames per clip
 
 
 class SFTDataset:
-    """LLaVA-style SFT samples -> ``Sample`` (ids, labels, M-RoPE positions, pixels); indexes only good samples."""
+    """LLaVA-style SFT samples -> ``Sample`` (ids, labels, positions, media by the family's processor); indexes
+    only good samples."""
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, path: str | Path | None = None,
-                 validated: ValidationResult | None = None,
-                 positions: Callable[[Sample], torch.Tensor] | None = None) -> None:
-        """``validated``: the outcome of validating this same file (``self.validation``), e.g. from the driver,
-        so that workers opening the data set do not read every image header again. ``positions``: a sample's
-        position ids [3, L] (the model family's rotary layout); unset: Qwen2.5-VL's M-RoPE."""
+                 validated: ValidationResult | None = None, *, processor: Processor) -> None:
+        """``processor``: the model family's (``Family.processor``): what media become. ``validated``: the outcome
+        of validating this same file (``self.validation``), e.g. from the driver, so that workers opening the data
+        set do not read every media header again."""
+        path = path if path is not None else cfg.path
         if path is None:
-            path = cfg.path
-        if path is None:
-            from dhp.data.demo import ensure_demo_dataset
-
-            path = ensure_demo_dataset() / "train.jsonl"
+            raise DataError("data.path: set it to a training data file (a JSON list or JSONL file, README: data "
+                            "forms)")
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.processor = processor
         self.file = Path(path)
         self.image_root = Path(cfg.image_root) if cfg.image_root else self.file.parent
         self._records = _read_records(self.file, self.image_root)
+        self._check_kinds()
         self._lengths: dict[int, int] = {}  # record index -> exact token count
-        self._grids: dict[int, tuple[tuple[int, int, int], ...]] = {}
+        self._facts: dict[int, dict[str, tuple]] = {}  # record index -> {kind: probe facts, per item}
         self._token_counts: dict[int, dict[int, int]] = {}
-        self._video_grids: dict[int, tuple[tuple[int, int, int], ...]] = {}
-        self._audio_frames: dict[int, tuple[int, ...]] = {}
-        self.positions = positions
-        self.video = VideoSettings.from_data(cfg)
         self.skipped: list[DataIssue] = []
         if validated is not None:
             if validated.num_records != len(self._records):
                 raise DataError(f"{self.file} changed since it was validated: {len(self._records)} records, "
                                 f"{validated.num_records} before")
-            self._lengths = dict(validated.lengths)
-            self._grids, self._token_counts = dict(validated.grids), dict(validated.token_counts)
-            self._video_grids = dict(validated.video_grids)
-            self._audio_frames = dict(validated.audio_frames)
+            self._lengths, self._facts = dict(validated.lengths), dict(validated.facts)
+            self._token_counts = dict(validated.token_counts)
             issues = list(validated.issues)
         else:
             issues = self.validate()
@@ -142,11 +146,22 @@ class SFTDataset:
             raise DataError(_summary(self.file, issues, self.image_root, cfg, len(self._records), skipping=True),
                             issues)
 
+    def _check_kinds(self) -> None:
+        """Every kind of media in the file is one the processor reads (else its tags would be plain text)."""
+        for kind in TAGS:
+            if self.processor.kind(kind) is not None:
+                continue
+            carrying = [r.index for r in self._records if r.media[kind]]
+            if carrying:
+                raise UnreadMedia(f"{self.file}: {len(carrying)} sample(s) carry {kind} (the first: sample "
+                                  f"{carrying[0]}) but the {self.processor.family} processor reads no {kind}; use a "
+                                  f"model family with a {kind} encoder, or drop the {kind}", self.file, kind, carrying)
+
     @property
     def validation(self) -> ValidationResult:
         """What validation found: hand it to another process opening the same file."""
-        return ValidationResult(len(self._records), dict(self._lengths), list(self.skipped), dict(self._grids),
-                                dict(self._token_counts), dict(self._video_grids), dict(self._audio_frames))
+        return ValidationResult(len(self._records), dict(self._lengths), list(self.skipped), dict(self._facts),
+                                dict(self._token_counts))
 
     # ---- indexing ---------------------------------------------------------------------
     def __len__(self) -> int:
@@ -161,103 +176,48 @@ class SFTDataset:
         return self._good[i]
 
     def lengths(self) -> list[int]:
-        """Exact token count of every sample (from image headers, no pixel decoding)."""
+        """Exact token count of every sample (from media headers, no decoding)."""
         return [self._lengths[k] for k in self._good]
 
     def info(self, i: int) -> SampleInfo:
-        """What the planner needs of sample ``i`` (token count, vision grids, special-token counts), no decoding.
-
-        ``image_grids`` holds the images' grids, then the video clips' (t > 1): every input of the vision encoder,
-        so that its cost and token count include video patches."""
+        """What the planner needs of sample ``i`` (token count, special-token counts, and the processor's shape
+        facts: e.g. vision grids, audio frames), no decoding."""
         k = self._good[i]
-        grids = self._grids.get(k, ()) + self._video_grids.get(k, ())
-        return SampleInfo(i, self._lengths[k], grids, self._token_counts.get(k, {}), self._audio_frames.get(k, ()))
+        return SampleInfo(i, self._lengths[k], token_counts=self._token_counts.get(k, {}),
+                          **self.processor.info(self._facts.get(k, {})))
 
     def __getitem__(self, i: int) -> Sample:
         return self.get(i)
 
     def get(self, i: int, pixels: bool = True) -> Sample:
-        """Sample ``i``; ``pixels=False`` skips decoding the images (the text side needs only their grids)."""
+        """Sample ``i``; ``pixels=False`` decodes no media (the text side needs only their shapes, known from
+        validation)."""
         if not 0 <= i < len(self._good):
             raise IndexError(f"{self.file}: sample {i} out of range (dataset has {len(self._good)} samples)")
         rec = self._records[self._good[i]]
-        values, grids = [], []
-        for img_path in rec.images:
-            try:
-                with Image.open(img_path) as img:
-                    if pixels:
-                        pv, grid = process_image(img, self.cfg.min_pixels, self.cfg.max_pixels)
-                        values.append(pv)
-                    else:
-                        grid = torch.tensor(grid_thw_for_size(*img.size, self.cfg.min_pixels, self.cfg.max_pixels))
-            except (OSError, ValueError) as e:
-                raise DataError(f"{self.file} sample {rec.index}: image {img_path} cannot be processed ({e}); "
-                                "fix or remove the file, or drop the sample") from e
-            grids.append(grid)
-        grid_thw = torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
-        counts = [int(g.prod()) // 4 for g in grids]
-        video_values, video_grids, seconds = [], [], []
-        for clip in rec.videos:
-            try:
-                if pixels:
-                    pv, plan = process_video(clip, self.video)
-                    video_values.append(pv)
-                else:
-                    plan = probe(clip, self.video)
-            except (OSError, ValueError) as e:
-                raise DataError(f"{self.file} sample {rec.index}: video {_name(clip)} cannot be processed ({e}); "
-                                "fix or remove the file, or drop the sample") from e
-            video_grids.append(plan.grid)
-            seconds.append(plan.second_per_grid)
-        video_grid_thw = torch.tensor(video_grids, dtype=torch.long).reshape(-1, 3)
-        second_per_grid_ts = torch.tensor(seconds, dtype=torch.float32)
-        audio_features, audio_lens = self._audio(rec, pixels)
-        sample = Sample(
-            index=i,
-            input_ids=torch.zeros(0, dtype=torch.long),
-            labels=torch.zeros(0, dtype=torch.long),
-            position_ids=torch.zeros(3, 0, dtype=torch.long),
-            pixel_values=torch.cat(values) if values else torch.zeros(0, PATCH_DIM),
-            image_grid_thw=grid_thw,
-            pixel_values_videos=torch.cat(video_values) if video_values else torch.zeros(0, PATCH_DIM),
-            video_grid_thw=video_grid_thw,
-            second_per_grid_ts=second_per_grid_ts,
-            audio_features=audio_features,
-            audio_feature_lens=audio_lens,
-        )
-        ids, labels = self.tokenizer.encode_conversation(rec.messages, counts,
-                                                         video_token_counts=[t * h * w // 4 for t, h, w in video_grids],
-                                                         audio_token_counts=sample.audio_token_counts)
-        sample.input_ids = torch.tensor(ids, dtype=torch.long)
-        sample.labels = torch.tensor(labels, dtype=torch.long)
-        if self.positions is not None:
-            sample.position_ids = self.positions(sample)
-        else:
-            sample.position_ids = rope_index(
-                sample.input_ids[None], grid_thw, self.tokenizer.image_pad_id, self.tokenizer.vision_start_id,
-                video_grid_thw=video_grid_thw, video_token_id=self.tokenizer.video_pad_id,
-                second_per_grid_ts=second_per_grid_ts, tokens_per_second=TOKENS_PER_SECOND)[:, 0]
+        facts = self._facts.get(rec.index, {})
+        decoded = self._decode(rec, facts) if pixels else None
+        ids, labels = self.tokenizer.encode_conversation(rec.messages, self.processor.blocks(facts))
+        sample = Sample(i, torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long),
+                        torch.zeros(0, dtype=torch.long), self.processor.collate(facts, decoded))
+        sample.position_ids = self.processor.position_ids(sample)
         return sample
 
-    def _audio(self, rec: _Record, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The record's audio clips: log-mel frames [128, F_total] (empty without ``decode``) and frames per clip
-        (from validation, so both sides of a run agree without decoding)."""
-        frames = self._audio_frames.get(rec.index, ())
-        lens = torch.tensor(frames, dtype=torch.long).reshape(-1)
-        if not decode or not rec.audios:
-            return torch.zeros(128, 0), lens
-        mels = []
-        for path, n in zip(rec.audios, frames, strict=True):
-            try:
-                mel, _ = features(path)
-            except (AudioError, OSError) as e:
-                raise DataError(f"{self.file} sample {rec.index}: audio {path} cannot be processed ({e}); fix or "
-                                "remove the file, or drop the sample") from e
-            if mel.shape[1] != n:
-                raise DataError(f"{self.file} sample {rec.index}: audio {path} changed since validation "
-                                f"({mel.shape[1]} frames, {n} before)")
-            mels.append(mel)
-        return torch.cat(mels, dim=1), lens
+    def _decode(self, rec: _Record, facts: dict[str, tuple]) -> dict[str, list]:
+        """Every media item of the record, decoded by the processor (in order, per kind)."""
+        out: dict[str, list] = {}
+        for kind, items in rec.media.items():
+            if not items:
+                continue
+            media = self.processor.kind(kind)
+            out[kind] = []
+            for source, fact in zip(items, facts[kind], strict=True):
+                try:
+                    out[kind].append(media.decode(source, fact))
+                except (OSError, ValueError) as e:
+                    raise DataError(f"{self.file} sample {rec.index}: {kind} {_name(source)} cannot be processed "
+                                    f"({e}); fix or remove the file, or drop the sample") from e
+        return out
 
     # ---- pre-flight check -------------------------------------------------------------
     def validate(self) -> list[DataIssue]:
@@ -274,97 +234,41 @@ class SFTDataset:
         if rec.problem:
             return [rec.problem]
         problems = _check_conversation(rec)
-        grids: list[tuple[int, int, int]] = []
-        for img_path in rec.images:
-            grid, problem = self._image_grid(img_path)
-            if problem:
-                problems.append(problem)
-            grids.append(grid)
-        video_grids: list[tuple[int, int, int]] = []
-        for clip in rec.videos:
-            grid, problem = self._video_grid(clip)
-            if problem:
-                problems.append(problem)
-            video_grids.append(grid)
-        audio_frames: list[int] = []
-        audio_tokens: list[int] = []
-        for path in rec.audios:
-            info, problem = self._audio_info(path)
-            if problem:
-                problems.append(problem)
-            else:
-                audio_frames.append(info.feature_frames)
-                audio_tokens.append(info.num_tokens)
-        if rec.audios and not problems and not self.tokenizer.has_audio:
-            problems.append(f"{len(rec.audios)} audio clip(s), but the tokenizer {self.tokenizer.path} has no audio "
-                            "tokens; train an audio model (model.family=qwen2_5_omni) with its tokenizer")
+        facts: dict[str, tuple] = {}
+        for kind, items in rec.media.items():
+            found = []
+            for source in items:
+                fact, problem = self._probe(kind, source)
+                if problem:
+                    problems.append(problem)
+                found.append(fact)
+            if found:
+                facts[kind] = tuple(found)
         if problems:
             return problems
-        ids, _ = self.tokenizer.encode_conversation(rec.messages, [t * h * w // 4 for t, h, w in grids],
-                                                    video_token_counts=[t * h * w // 4 for t, h, w in video_grids],
-                                                    audio_token_counts=audio_tokens)
-        if audio_frames:
-            self._audio_frames[rec.index] = tuple(audio_frames)
+        ids, _ = self.tokenizer.encode_conversation(rec.messages, self.processor.blocks(facts))
         self._lengths[rec.index] = len(ids)
-        self._grids[rec.index] = tuple(grids)
-        if video_grids:
-            self._video_grids[rec.index] = tuple(video_grids)
+        self._facts[rec.index] = facts
         special = set(self.tokenizer.special_ids())
         self._token_counts[rec.index] = {t: n for t, n in Counter(ids).items() if t in special}
         if len(ids) > self.cfg.max_length:
-            lower = "data.video_max_pixels or data.video_fps" if video_grids else "data.max_pixels"
+            hints = "".join(f"{self.processor.kind(k).shrink_hint()}, " for k in facts)
             return [f"{len(ids)} {LONGER_THAN}={self.cfg.max_length} (samples are never "
-                    f"truncated); raise data.max_length, lower {lower}, or shorten the sample"]
+                    f"truncated); raise data.max_length, {hints}or shorten the sample"]
         return []
 
-    def _audio_info(self, path: Path) -> tuple[Any, str | None]:
-        """The clip's header facts (duration, mel frames, tokens), or a problem: missing, unreadable, empty, too
-        long."""
-        if not path.is_file():
-            return None, (f"audio file {path} does not exist; fix the path (relative to {self.image_root}) or add "
-                          "it")
-        try:
-            info = probe_audio(path)
-        except AudioError as e:
-            return None, str(e) if str(path) in str(e) else f"audio {path}: {e}"
-        if info.num_tokens == 0:
-            return None, (f"audio {path} lasts {info.seconds * 1000:.0f} ms: too short for one audio token (the "
-                          "encoder needs more than 20 ms); drop the clip or the sample")
-        limit = self.cfg.max_audio_seconds
-        if info.seconds > limit:
-            return None, (f"audio {path} lasts {info.seconds:.2f} s, longer than data.max_audio_seconds={limit:g} "
-                          "(clips are never cut); cut the clip, or raise data.max_audio_seconds (at most 30)")
-        return info, None
-
-    def _video_grid(self, clip: Path | list[Path]) -> tuple[tuple[int, int, int], str | None]:
-        """A clip's (t, h, w) patch grid from its container header (or first frame), without decoding; or a
-        problem."""
-        files = clip if isinstance(clip, list) else [clip]
+    def _probe(self, kind: str, source: Path | list[Path]) -> tuple[Any, str | None]:
+        """The processor's fact of one media item from its header, or a problem naming the file and the fix."""
+        files = source if isinstance(source, list) else [source]
+        frame = "frame " if isinstance(source, list) else ""
         for f in files:
             if not f.is_file():
-                return (0, 0, 0), (f"video {'frame ' if isinstance(clip, list) else ''}file {f} does not exist; fix "
-                                   f"the path (relative to {self.image_root}) or add it")
+                return None, (f"{kind} {frame}file {f} does not exist; fix the path (relative to {self.image_root}) "
+                              "or add it")
         try:
-            return probe(clip, self.video).grid, None
-        except (VideoError, OSError) as e:
-            return (0, 0, 0), str(e) if str(files[0]) in str(e) else f"video {_name(clip)}: {e}"
-
-    def _image_grid(self, img_path: Path) -> tuple[tuple[int, int, int], str | None]:
-        """The image's (t, h, w) patch grid after resizing, from its header; or a problem."""
-        if not img_path.is_file():
-            return (0, 0, 0), (f"image file {img_path} does not exist; fix the path (relative to "
-                               f"{self.image_root}) or add it")
-        try:
-            with Image.open(img_path) as img:
-                width, height = img.size
-                img.verify()
-        except Exception as e:  # PIL raises many types for corrupt files
-            return (0, 0, 0), f"image {img_path} is unreadable or corrupt ({type(e).__name__}: {e}); replace the file"
-        try:
-            smart_resize(height, width, 28, self.cfg.min_pixels, self.cfg.max_pixels)
-        except ValueError as e:
-            return (0, 0, 0), f"image {img_path}: {e}"
-        return grid_thw_for_size(width, height, self.cfg.min_pixels, self.cfg.max_pixels), None
+            return self.processor.kind(kind).probe(source), None
+        except (OSError, ValueError) as e:
+            return None, str(e) if str(files[0]) in str(e) else f"{kind} {_name(source)}: {e}"
 
 
 def _summary(file: Path, issues: list[DataIssue], image_root: Path, cfg: DataConfig, num_records: int,

@@ -12,10 +12,20 @@ handed out once (``take``): a sample of a later step is loaded again.
 Errors keep their names: a broken file raises the data set's own error (file,
 sample, fix) from the pool, and ``take`` re-raises it in the worker's thread,
 in the forward that needed the sample; a load never waits forever (``timeout_s``).
+
+Host-to-device copies: on a CUDA machine the background threads also put each
+sample's tensors in pinned (page-locked) host memory (``pin_tensors``), so that
+the copy to the device (``to_device``, ``non_blocking=True``; a batch's pixels
+concatenated straight into pinned memory by ``cat_to_device``) is a DMA the host
+does not wait for: the kernels that consume the data are queued behind it on the
+same stream while it runs. Pageable memory would make every such copy a staged,
+synchronous one. Without CUDA nothing is pinned (``pin_memory`` needs a device)
+and ``to_device`` is a plain copy: the same code path runs on the CPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -23,19 +33,97 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+import torch
+
 LOAD_TIMEOUT_S = 600.0
+Pin = Callable[[torch.Tensor], torch.Tensor]
+
+
+def pinnable(t: torch.Tensor) -> bool:
+    """Whether ``t`` is worth pinning: a non-empty tensor in pageable host memory."""
+    return t.device.type == "cpu" and t.numel() > 0 and not t.is_pinned()
+
+
+def default_pin() -> Pin | None:
+    """``torch.Tensor.pin_memory`` where CUDA is available (it needs a device), else None: nothing is pinned."""
+    return torch.Tensor.pin_memory if torch.cuda.is_available() else None
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it: a tensor, a dataclass (a ``Sample``, a ``Batch``; a
+    new instance, the original untouched), a dict, list or tuple of those; anything else as it is."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def pin_tensors(obj: Any, pin: Pin | None = None) -> Any:
+    """``obj`` (see ``map_tensors``) with each of its ``pinnable`` tensors pinned by ``pin`` (default:
+    ``default_pin()``); ``obj`` itself where there is nothing to pin with (no CUDA)."""
+    pin = pin or default_pin()
+    if pin is None:
+        return obj
+    return map_tensors(obj, lambda t: pin(t) if pinnable(t) else t)
+
+
+def cat_to_device(parts: list[torch.Tensor], device: str | torch.device, dim: int = 0,
+                  empty: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """``torch.cat(parts, dim)`` on ``device`` (a batch's pixels or audio frames, from its samples' tensors): on
+    CUDA the host parts are concatenated straight into pinned memory (``empty``: how it is allocated, default
+    ``torch.empty(..., pin_memory=True)``) and copied ``non_blocking``; a single part the loader already pinned
+    goes as it is. To the host, or without CUDA, a plain concatenation."""
+    from dhp.ops.attention import has_values
+
+    device = torch.device(device)
+    if device.type == "cpu" or (empty is None and not torch.cuda.is_available()) \
+            or not all(has_values(p) for p in parts):  # (the planner's fake tensors: nothing to pin)
+        return torch.cat(parts, dim).to(device)
+    filled = [p for p in parts if p.numel()]
+    if len(filled) == 1 and filled[0].is_pinned() and filled[0].shape == torch.cat(parts, dim).shape:
+        host = filled[0]
+    else:
+        shape = list(parts[0].shape)
+        shape[dim] = sum(p.shape[dim] for p in parts)
+        dtype = parts[0].dtype
+        for p in parts[1:]:
+            dtype = torch.promote_types(dtype, p.dtype)
+        host = (empty or _pinned_empty)(shape, dtype=dtype)
+        torch.cat(parts, dim, out=host)
+    return host.to(device, non_blocking=True)
+
+
+def _pinned_empty(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def to_device(obj: Any, device: str | torch.device) -> Any:
+    """``obj`` (see ``map_tensors``) with every tensor on ``device``: host-to-device copies are issued
+    ``non_blocking`` (from pinned memory the host does not wait; from pageable memory CUDA copies
+    synchronously, as a plain copy would), so call it ahead of the compute that needs the tensors."""
+    device = torch.device(device)
+    return map_tensors(obj, lambda t: t.to(device, non_blocking=t.device.type == "cpu" and device.type != "cpu"))
 
 
 class AheadLoader:
     """Loads samples by id in ``workers`` background threads; ``take`` returns them (or loads them itself)."""
 
     def __init__(self, load: Callable[..., Any], workers: int, pixels: bool = True,
-                 timeout_s: float = LOAD_TIMEOUT_S) -> None:
+                 timeout_s: float = LOAD_TIMEOUT_S, pin: Pin | bool = True) -> None:
         """``load(i, pixels=...)``: the data set's ``get``; ``pixels``: what the prefetched samples carry (the
-        language model's worker prefetches placeholders and grids only, ``pixels=False``)."""
+        language model's worker prefetches placeholders and grids only, ``pixels=False``); ``pin``: how the
+        background pins a loaded sample's tensors: True, ``default_pin()`` (on CUDA machines only); False,
+        never (samples whose tensors are packed into new ones before any copy)."""
         if workers < 0:
             raise ValueError(f"data.loader_workers must be >= 0, got {workers}")
         self.load, self.timeout_s, self.pixels = load, timeout_s, pixels
+        self.pin: Pin | None = default_pin() if pin is True else (pin or None)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="dhp-loader") if workers else None
         self._ahead: dict[int, Future] = {}
         self.waited_s = 0.0  # time ``take`` spent waiting for the background (or loading itself): waiting for data
@@ -52,7 +140,8 @@ class AheadLoader:
 
         def one(i: int) -> Any:
             try:
-                return self.load(i, pixels=self.pixels)
+                sample = self.load(i, pixels=self.pixels)
+                return pin_tensors(sample, self.pin) if self.pin is not None else sample
             finally:
                 with self._lock:
                     remaining[0] -= 1
@@ -95,4 +184,4 @@ class AheadLoader:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["AheadLoader"]
+__all__ = ["AheadLoader", "cat_to_device", "default_pin", "map_tensors", "pin_tensors", "pinnable", "to_device"]

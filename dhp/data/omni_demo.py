@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dhp.data.demo import DemoPaths, demo_dir, ensure_cached, render_digit, save_png
-from dhp.data.tokenizer import DEFAULT_SYSTEM_PROMPT, build_demo_tokenizer
+from dhp.data.demo import DemoPaths, build_demo_tokenizer, demo_dir, ensure_cached, render_digit, save_png
+from dhp.data.tokenizer import DEFAULT_SYSTEM_PROMPT
 
 OMNI_DEMO_VERSION = "7"  # 2: clips of 1-3 keys; 3, 4: the mix; 5: keypad cadence, mostly single keys
 DIAL_PROMPT = "<audio>\nWhich digits were dialed?"

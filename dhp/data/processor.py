@@ -1,85 +1,136 @@
-"""Qwen2.5-VL image preprocessing, bit-compatible with transformers' ``Qwen2VLImageProcessor`` (PIL path).
+"""What a model family gives the data side: how each kind of media becomes model inputs and tokens.
 
-Why our own: the workers preprocess their own samples by id, and the token
-count of a sample must be known *without decoding pixels* (``image_tokens``
-from the image size only) so that batch plans and length checks are exact
-before the first step. Tests pin the output to the reference processor.
+Why an interface here: ``SFTDataset`` reads the data forms, validates samples and
+reports problems the same way for every family, but what an image *is* to a model
+(its resize rule, its patches, how many placeholder tokens it fills, the position
+ids of the sequence) is the family's. A family's processor (``Family.processor``)
+is a ``Processor`` holding one ``Media`` per kind of media it reads; the data set
+calls them in three steps:
+
+1. ``Media.probe(source)``: the item's shape fact from its header or metadata only
+   (an image's patch grid, a clip's frame plan, an audio clip's frame count), or a
+   ``MediaError`` whose message names the file and the fix. Validation and batch
+   planning need nothing else, so token counts are exact before any decoding;
+2. ``Media.num_tokens(fact)``: the placeholder tokens the item fills, and
+   ``Processor.blocks``: the token ids each ``<image>``/``<video>``/``<audio>`` tag
+   of the text becomes (``Placeholder``: start ids, the pad id n times, end ids);
+3. ``Media.decode(source, fact)`` and ``Media.collate``: the model inputs of a
+   sample (its ``Sample`` fields, e.g. ``pixel_values``), then
+   ``Processor.position_ids`` of the whole sequence.
+
+A processor is sent to workers inside the dataset spec, so it holds plain values
+(ids, sizes, the data config) and pickles.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
 
-PATCH_SIZE = 14
-MERGE_SIZE = 2
-TEMPORAL_PATCH_SIZE = 2
-FACTOR = PATCH_SIZE * MERGE_SIZE  # 28: resized sides are multiples of this
-PATCH_DIM = 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE * PATCH_SIZE  # 1176
-MAX_ASPECT_RATIO = 200
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+Source = Path | list[Path]  # one media file, or (a video) a list of frame images
+
+TAGS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}  # dhp's data forms: the tag of each kind
 
 
-def smart_resize(
-    height: int, width: int, factor: int = FACTOR, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280
-) -> tuple[int, int]:
-    """The (height, width) Qwen resizes an image to: sides multiples of ``factor``, area in [min, max] pixels."""
-    if min(height, width) <= 0:
-        raise ValueError(f"image size {width}x{height} is empty")
-    ratio = max(height, width) / min(height, width)
-    if ratio > MAX_ASPECT_RATIO:
-        raise ValueError(
-            f"image of {width}x{height} pixels has aspect ratio {ratio:.1f}, above the limit of {MAX_ASPECT_RATIO}; "
-            "crop or pad it to a less extreme shape"
-        )
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+class MediaError(ValueError):
+    """A media item that cannot be used; the message says what is wrong and how to fix it (naming the file)."""
 
 
-def grid_thw_for_size(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int, int]:
-    """(t, h, w) patch grid of an image of ``width x height`` pixels, without touching its pixels."""
-    h, w = smart_resize(height, width, FACTOR, min_pixels, max_pixels)
-    return 1, h // PATCH_SIZE, w // PATCH_SIZE
+@dataclass(frozen=True)
+class Placeholder:
+    """What one media tag becomes in the token sequence: ``start`` ids, the ``pad`` id once per token, ``end`` ids."""
+
+    pad: int
+    start: tuple[int, ...] = ()
+    end: tuple[int, ...] = ()
+
+    def block(self, n: int) -> list[int]:
+        return [*self.start, *[self.pad] * n, *self.end]
 
 
-def image_tokens(width: int, height: int, min_pixels: int, max_pixels: int) -> int:
-    """Number of ``<|image_pad|>`` tokens (merged patches) for an image of this size."""
-    t, h, w = grid_thw_for_size(width, height, min_pixels, max_pixels)
-    return t * h * w // (MERGE_SIZE * MERGE_SIZE)
+class Media:
+    """One kind of media a family reads (images, videos, audio clips): probe, count, decode, collate.
+
+    ``kind`` is the data-form name (``<kind>`` tags, ``kind``/``kinds`` entries); ``noun`` how messages call an
+    item; ``placeholder`` the tokens a tag becomes. Facts (``probe``'s result) must pickle: the driver hands
+    them to the workers with the validation result."""
+
+    kind: str = ""
+    noun: str = ""
+    placeholder: Placeholder
+
+    def probe(self, source: Source) -> Any:
+        """The item's shape fact from its header or metadata, no decoding. Raises ``MediaError`` (or OSError)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no probe()")
+
+    def num_tokens(self, fact: Any) -> int:
+        """Placeholder tokens the item fills in the sequence."""
+        raise NotImplementedError(f"{type(self).__name__} defines no num_tokens()")
+
+    def decode(self, source: Source, fact: Any) -> Any:
+        """The item's model inputs (what ``collate`` concatenates). Raises ``MediaError`` (or OSError)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no decode()")
+
+    def collate(self, facts: Sequence[Any], decoded: Sequence[Any] | None) -> dict[str, torch.Tensor]:
+        """A sample's ``Sample`` fields of this kind from its items (``decoded`` None: loaded without media; the
+        fields are then shaped from the facts alone, with empty data tensors). No items: the empty fields."""
+        raise NotImplementedError(f"{type(self).__name__} defines no collate()")
+
+    def info(self, facts: Sequence[Any]) -> dict[str, tuple]:
+        """The ``SampleInfo`` fields of a sample's items (what the family's costs read); default none."""
+        return {}
+
+    def shrink_hint(self) -> str:
+        """The settings that make an item of this kind shorter, for the message on a too long sample."""
+        return f"shorten the {self.noun}s"
 
 
-def process_image(image: Image.Image, min_pixels: int, max_pixels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """PIL image -> (pixel_values [t*h*w, 1176] float32, grid_thw [3] long), as Qwen2.5-VL's processor."""
-    image = image.convert("RGB")
-    height, width = smart_resize(image.height, image.width, FACTOR, min_pixels, max_pixels)
-    if (height, width) != (image.height, image.width):
-        image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
-    arr = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) * np.float32(1 / 255)  # [C, H, W]
-    mean = np.asarray(CLIP_MEAN, dtype=np.float32)[:, None, None]
-    std = np.asarray(CLIP_STD, dtype=np.float32)[:, None, None]
-    arr = (arr - mean) / std
-    patches, gh, gw = _patchify(arr.astype(np.float32))
-    return torch.from_numpy(np.ascontiguousarray(patches)), torch.tensor([1, gh, gw], dtype=torch.long)
+class Processor:
+    """A family's data side: its ``Media`` kinds and the position ids of a sequence. Subclass it per family."""
 
+    family: str = ""  # the family's name, for messages
+    media: tuple[Media, ...] = ()
 
-def _patchify(image: np.ndarray) -> tuple[np.ndarray, int, int]:
-    """[C, H, W] -> [gh*gw, C*T*P*P] in 2x2-merge order (the 4 patches of a merged token are adjacent)."""
-    c, height, width = image.shape
-    gh, gw = height // PATCH_SIZE, width // PATCH_SIZE
-    m, p = MERGE_SIZE, PATCH_SIZE
-    x = image.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # gh', gw', mh, mw, C, ph, pw
-    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], TEMPORAL_PATCH_SIZE, p, p))  # still image: 2 frames
-    return x.reshape(gh * gw, c * TEMPORAL_PATCH_SIZE * p * p), gh, gw
+    def kind(self, kind: str) -> Media | None:
+        """The ``Media`` reading ``kind``, or None: this family reads no such media."""
+        return next((m for m in self.media if m.kind == kind), None)
+
+    def blocks(self, facts: Mapping[str, Sequence[Any]]) -> dict[str, list[list[int]]]:
+        """{tag: the token ids of each item in order} for ``Tokenizer.encode_conversation``."""
+        out = {}
+        for kind, items in facts.items():
+            media = self.kind(kind)
+            if media is None:
+                if items:
+                    raise MediaError(f"the {self.family} processor reads no {kind}")
+                continue
+            out[TAGS[kind]] = [media.placeholder.block(media.num_tokens(f)) for f in items]
+        return out
+
+    def empty_media(self) -> dict[str, torch.Tensor]:
+        """The media fields of a sample without media (text only)."""
+        return self.collate({}, None)
+
+    def collate(self, facts: Mapping[str, Sequence[Any]], decoded: Mapping[str, Sequence[Any]] | None
+                ) -> dict[str, torch.Tensor]:
+        """Every kind's ``Sample`` fields of a sample (kinds without items: their empty fields)."""
+        out: dict[str, torch.Tensor] = {}
+        for media in self.media:
+            out |= media.collate(facts.get(media.kind, ()), None if decoded is None else decoded.get(media.kind, ()))
+        return out
+
+    def info(self, facts: Mapping[str, Sequence[Any]]) -> dict[str, tuple]:
+        """The ``SampleInfo`` fields of a sample: each kind's, a field two kinds share concatenated in kind order."""
+        out: dict[str, tuple] = {}
+        for media in self.media:
+            for name, value in media.info(facts.get(media.kind, ())).items():
+                out[name] = out.get(name, ()) + tuple(value)
+        return out
+
+    def position_ids(self, sample: Any) -> torch.Tensor:
+        """Position ids of a sample's sequence [axes, L]. Default: one axis counting up (plain RoPE)."""
+        return torch.arange(sample.num_tokens, dtype=torch.long)[None]

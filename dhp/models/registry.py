@@ -1,4 +1,4 @@
-"""Model families by name: ``model.family`` (or an HF ``config.json``'s ``model_type``) -> ``FamilySpec``.
+"""Model families by name: ``model.family`` (or an HF ``config.json``'s ``model_type``) -> ``Family``.
 
 Built-in families are listed as import paths and imported on first use, so
 importing this registry imports no model. A plugin registers its own with
@@ -12,14 +12,15 @@ import importlib
 import json
 from pathlib import Path
 
-from dhp.models.spec import FamilySpec
+from dhp.models.spec import Family
 
 DEFAULT_FAMILY = "qwen2_5_vl"
 _BUILTIN = {
     "qwen2_5_vl": "dhp.models.qwen2_5_vl.family:FAMILY",
     "qwen2_5_omni": "dhp.models.qwen2_5_omni.family:FAMILY",
+    "qwen3_vl": "dhp.models.qwen3_vl.family:FAMILY",
 }
-_registered: dict[str, FamilySpec] = {}
+_registered: dict[str, Family] = {}
 
 
 class UnknownFamily(KeyError):
@@ -27,17 +28,17 @@ class UnknownFamily(KeyError):
         return str(self.args[0])
 
 
-def register_family(spec: FamilySpec) -> FamilySpec:
-    """Add (or replace) a family under ``spec.name``; returns it."""
-    _registered[spec.name] = spec
-    return spec
+def register_family(family: Family) -> Family:
+    """Add (or replace) a family under ``family.name``; returns it."""
+    _registered[family.name] = family
+    return family
 
 
 def family_names() -> list[str]:
     return sorted(set(_BUILTIN) | set(_registered))
 
 
-def get_family(name: str) -> FamilySpec:
+def get_family(name: str) -> Family:
     """The family registered as ``name``, a built-in one, or ``module:ATTR`` imported."""
     if name in _registered:
         return _registered[name]
@@ -50,14 +51,14 @@ def get_family(name: str) -> FamilySpec:
         spec = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise UnknownFamily(f"model.family: cannot load {target} ({e})") from None
-    if not isinstance(spec, FamilySpec):
-        raise UnknownFamily(f"model.family: {target} is a {type(spec).__name__}, not a FamilySpec")
+    if not isinstance(spec, Family):
+        raise UnknownFamily(f"model.family: {target} is a {type(spec).__name__}, not a Family")
     if name in _BUILTIN:
         _registered[name] = spec
     return spec
 
 
-def family_for_model_type(model_type: str) -> FamilySpec:
+def family_for_model_type(model_type: str) -> Family:
     """The family whose ``hf_model_types`` include ``model_type``."""
     for name in family_names():
         spec = get_family(name)
@@ -67,13 +68,13 @@ def family_for_model_type(model_type: str) -> FamilySpec:
                         f"({', '.join(family_names())}); set model.family")
 
 
-def family_of_preset(preset: str) -> FamilySpec | None:
+def family_of_preset(preset: str) -> Family | None:
     """The family with a preset of that name (``omni-7b``: Qwen2.5-Omni), the default family first; or None."""
     names = [DEFAULT_FAMILY] + [n for n in family_names() if n != DEFAULT_FAMILY]
     return next((spec for spec in map(get_family, names) if preset in spec.presets), None)
 
 
-def resolve_family(family: str | None, hf_path: str | None, preset: str | None = None) -> FamilySpec:
+def resolve_family(family: str | None, hf_path: str | None, preset: str | None = None) -> Family:
     """``model.family`` when set, else the family of ``model.hf_path``'s model_type, else the family with
     ``model.preset``, else the default."""
     if family:

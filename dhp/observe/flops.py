@@ -9,7 +9,7 @@ the forward except for a weight whose input needs no gradient (only the weight
 gradient is computed). Activation-checkpoint recomputation is not model work and
 is not counted. Elementwise ops, norms and softmax are not counted.
 
-A family gives a closed form per module (``ModuleSpec.flops``: ``(SampleInfo,
+A family gives a closed form per module (``Module.flops``: ``(SampleInfo,
 model_cfg) -> (forward, backward)``); a test checks it against ``FlopCounterMode``
 on the meta device (``count_forward_backward``), where nothing is allocated, so
 the 7B preset is counted on a laptop.
@@ -18,7 +18,7 @@ MFU of a module group in a step::
 
     mfu = model FLOPs of the group's samples in the step / (step time * ranks of the group * peak FLOP/s per rank)
 
-Peak: on a GPU the device table (``dhp.plan.devices``) or ``runtime.peak_tflops``;
+Peak: on a GPU the device table (``dhp.observe.devices``) or ``runtime.peak_tflops``;
 on a CPU the measured float32 matmul throughput of this machine with the threads a
 rank uses (``cpu_matmul_peak``), labelled as such: CPU MFU says how close the step
 comes to what the machine's matmuls can do, not to a vendor figure.
@@ -54,11 +54,11 @@ def count_forward_backward(forward: Callable[[], torch.Tensor]) -> tuple[float, 
 
 def shape_only_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                                 causal: bool) -> torch.Tensor:
-    """``dhp.models.layers.packed_attention`` with the segment bookkeeping in Python, so that it runs on the
+    """``dhp.ops.attention.packed_attention`` with the segment bookkeeping in Python, so that it runs on the
     meta device (the original groups segments with ``torch.unique`` on q's device, which needs values).
     The same SDPA calls on the same shapes: the same FLOPs. ``cu_seqlens`` must be a CPU tensor, a list or
     ``Segments``."""
-    if hasattr(cu_seqlens, "bounds"):  # dhp.models.layers.Segments (host metadata)
+    if hasattr(cu_seqlens, "bounds"):  # dhp.ops.attention.Segments (host metadata)
         cu_seqlens = cu_seqlens.bounds
     bounds = [int(b) for b in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
     seq, n_heads, head_dim = q.shape
@@ -87,20 +87,17 @@ FlopsFn = Callable[[Any, Any], tuple[float, float]]  # (SampleInfo, model_cfg) -
 
 
 def sample_flops(family: Any, model_cfg: Any, infos: Sequence[Any], trains: dict[str, bool]) -> dict[str, list[float]]:
-    """Per module of ``family`` that has a closed form (``ModuleSpec.flops``): each sample's model FLOPs,
-    forward plus backward where the module runs a backward (``trains[module]``; the language model always
-    does: it backpropagates to the encoders' embeddings). Modules without a closed form are left out."""
+    """Per module of ``family`` (``Module.flops``: a closed form, or the 2-FLOPs-per-parameter default): each
+    sample's model FLOPs, forward plus backward where the module runs a backward (``trains[module]``; the
+    language model always does: it backpropagates to the encoders' embeddings)."""
     out: dict[str, list[float]] = {}
-    for spec in family.modules:
-        fn = getattr(spec, "flops", None)
-        if fn is None:
-            continue
-        backward = trains.get(spec.name, True)
+    for module in family.modules:
+        backward = trains.get(module.name, True)
         values = []
         for info in infos:
-            fwd, bwd = fn(info, model_cfg)
+            fwd, bwd = module.flops(info, model_cfg)
             values.append(fwd + (bwd if backward else 0.0))
-        out[spec.name] = values
+        out[module.name] = values
     return out
 
 
@@ -148,11 +145,11 @@ def cpu_matmul_peak(threads: int | None = None, seconds: float = 1.0, n: int = 5
 
 
 def device_peak(device_name: str | None, peak_tflops: float | None = None) -> Peak | None:
-    """Peak bf16 FLOP/s of a GPU by its name (the device table, ``dhp.plan.devices``), or ``peak_tflops``
+    """Peak bf16 FLOP/s of a GPU by its name (the device table, ``dhp.observe.devices``), or ``peak_tflops``
     where given; None for a GPU the table does not know and no override."""
     if peak_tflops:
         return Peak(peak_tflops * 1e12, f"runtime.peak_tflops={peak_tflops:g}")
-    from dhp.plan.devices import DEVICES
+    from dhp.observe.devices import DEVICES
 
     name = (device_name or "").lower()
     for key, dev in DEVICES.items():

@@ -5,7 +5,7 @@ Why: on a GPU every host read of a value the device computed (``int(t)``, ``.ite
 ``output_size``) waits for the stream to drain: the CPU stops queueing kernels until the GPU catches up. One in
 every layer costs thousands per step at 64 layers and 65k patches. The hot path is written so that segment
 boundaries, token counts and placeholder positions are host metadata (from the batch plan, or computed on the
-CPU under ``dhp.models.layers.host_metadata``), and this audit keeps it so, in the CPU tests.
+CPU under ``dhp.ops.attention.host_metadata``), and this audit keeps it so, in the CPU tests.
 
 On the CPU every tensor is a CPU tensor, so "device value" cannot mean "a tensor on the GPU". It means a value
 the compute device would hold: a parameter or buffer, a tensor moved with ``.to(device)``, anything a tensor
@@ -46,7 +46,7 @@ _INDEXING = ("index", "index_put", "index_put_", "_index_put_impl_")
 
 @contextmanager
 def host_region() -> Iterator[None]:
-    """Tensors made inside are host metadata for the audit (``dhp.models.layers.host_metadata`` opens one)."""
+    """Tensors made inside are host metadata for the audit (``dhp.ops.attention.host_metadata`` opens one)."""
     depth = getattr(_STATE, "host", 0)
     _STATE.host = depth + 1
     try:

@@ -16,9 +16,9 @@ import torch.distributed as dist
 class Parallel:
     """``dp_group`` spans the data-parallel replicas at this inner position, ``inner_group`` the ranks of this
     replica, ``module_group`` all ranks of the module; ``mesh`` is the 2D DeviceMesh ("dp", inner) over them.
-    The single-process reference has none. ``spec`` is the module's ``ParallelConfig``."""
+    The single-process reference has none. ``config`` is the module's ``ParallelConfig`` (its sizes)."""
 
-    spec: Any
+    config: Any
     inner_kind: str = "none"  # "sp" | "tp" | "none"
     dp_rank: int = 0
     inner_rank: int = 0
@@ -29,7 +29,7 @@ class Parallel:
 
     @property
     def inner(self) -> int:
-        return self.spec.sp if self.inner_kind == "sp" else self.spec.tp
+        return self.config.sp if self.inner_kind == "sp" else self.config.tp
 
     @property
     def distributed(self) -> bool:

@@ -15,7 +15,9 @@ without any rank ever holding the whole module:
     uneven shards) and the largest temporary is one chunk.
 ``load_by_name(module, source, ...)``
     Each rank reads only its slice of each tensor (``safe_open(...).get_slice(key)[...]``)
-    from the files an index names; a dict of full tensors works the same way (tests).
+    from the files an index names; a dict of full tensors works the same way (tests). A parameter that the
+    source stores as several tensors (a fused q/k/v or gate/up: ``key_of`` gives their names) reads as their
+    concatenation on dim 0, each part's rows read only where the shard needs them.
 
 Which global indices a rank holds comes from the DTensor's own placements:
 every placement that shards a dimension splits that dimension's index list
@@ -45,14 +47,17 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from dhp.errors import CheckpointError  # (a checkpoint that does not fit: the message names tensor and file)
+
 __all__ = [
     "CHUNK_ELEMS",
-    "CheckpointError",
     "DictSource",
     "SafetensorsSource",
+    "fused_shape",
     "init_by_name",
     "load_by_name",
     "local_index",
+    "read_fused",
     "to_empty",
     "track_materialized",
 ]
@@ -62,10 +67,6 @@ Rule = Callable[[str, torch.Tensor], Init]  # (parameter name, parameter) -> how
 CHUNK_ELEMS = 1 << 20  # elements per init chunk (rows of a parameter, at least one row); part of the init's definition
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the module: the message names the tensor and the file."""
 
 
 # ---- what a rank materialises (tests and benchmarks count it) ---------------------------------------------------
@@ -337,31 +338,11 @@ def _header(file: Path) -> dict[str, Any]:
     return header
 
 
-FUSED = "|"  # "a|b|c": a checkpoint key naming one tensor stored as several, concatenated on dim 0
-
-
-def fused_parts(key: str) -> list[str]:
-    """The checkpoint keys behind ``key``: itself, or the parts of a fused key (``"a|b|c"``, e.g. one fused qkv
-    weight of ours that a checkpoint stores as separate q, k and v)."""
-    return key.split(FUSED)
-
-
-def split_fused(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``{checkpoint key: tensor}`` for writing: a fused key's tensor cut into equal parts along dim 0."""
-    parts = fused_parts(key)
-    if len(parts) == 1:
-        return {key: tensor}
-    if tensor.shape[0] % len(parts):
-        raise CheckpointError(f"cannot split {list(tensor.shape)} into {len(parts)} equal parts {parts}")
-    return dict(zip(parts, tensor.chunk(len(parts)), strict=True))
-
-
 class SafetensorsSource:
     """A Hugging Face checkpoint directory: ``model.safetensors``, or shards named by the index.
 
     Each read opens the tensor's file, reads the requested region (``safe_open(...).get_slice(key)[box]``) and
-    closes it again, so no more of the file stays mapped than the read touched. A fused key (``"a|b|c"``) reads
-    as the parts concatenated on dim 0, each part's rows read only where the box needs them."""
+    closes it again, so no more of the file stays mapped than the read touched."""
 
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
@@ -369,10 +350,9 @@ class SafetensorsSource:
         self._shapes: dict[str, tuple[int, ...]] = {}
 
     def has(self, key: str) -> bool:
-        return all(k in self.map for k in fused_parts(key))
+        return key in self.map
 
     def where(self, key: str | None = None) -> str:
-        key = None if key is None else fused_parts(key)[0]
         return str(self.dir / self.map[key]) if key is not None and key in self.map else self.index
 
     def _file(self, key: str) -> Path:
@@ -382,12 +362,6 @@ class SafetensorsSource:
         return file
 
     def shape(self, key: str) -> tuple[int, ...]:
-        shapes = [self._shape(k) for k in fused_parts(key)]
-        if len(shapes) > 1 and len({s[1:] for s in shapes}) != 1:
-            raise CheckpointError(f"tensors {fused_parts(key)} have shapes {shapes}: they do not concatenate on dim 0")
-        return (sum(s[0] for s in shapes), *shapes[0][1:])
-
-    def _shape(self, key: str) -> tuple[int, ...]:
         if key not in self._shapes:
             file = self._file(key)
             header = _header(file)
@@ -399,23 +373,6 @@ class SafetensorsSource:
         return self._shapes[key]
 
     def read(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
-        parts = fused_parts(key)
-        if len(parts) == 1:
-            return self._read(key, box)
-        rows = box[0] if box else slice(None)
-        start, stop, step = rows.indices(self.shape(key)[0])
-        if step != 1:
-            raise CheckpointError(f"strided read of fused tensor {key}")
-        pieces, offset = [], 0
-        for part in parts:
-            n = self._shape(part)[0]
-            lo, hi = max(start, offset), min(stop, offset + n)
-            if lo < hi:
-                pieces.append(self._read(part, (slice(lo - offset, hi - offset), *box[1:])))
-            offset += n
-        return torch.cat(pieces)
-
-    def _read(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
         from safetensors import safe_open
 
         with safe_open(str(self._file(key)), framework="pt") as f:
@@ -423,13 +380,54 @@ class SafetensorsSource:
             return sl[box] if box else sl[:]
 
 
+# ---- a tensor stored as several (a fused projection): its parts concatenated on dim 0 ----------------------------
+Names = tuple  # the source keys one parameter is made of, in dim-0 order (one, or the parts of a fused one)
+
+
+def _names(key: str | tuple[str, ...]) -> Names:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+def _label(names: Names) -> str:
+    return " + ".join(names)
+
+
+def fused_shape(source: TensorSource, names: Names) -> tuple[int, ...]:
+    shapes = [source.shape(k) for k in names]
+    if len(shapes) > 1 and len({s[1:] for s in shapes}) != 1:
+        raise CheckpointError(f"tensors {list(names)} in {source.where(names[0])} have shapes {shapes}: they do not "
+                              "concatenate on dim 0")
+    return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
+def read_fused(source: TensorSource, names: Names, box: tuple[slice, ...]) -> torch.Tensor:
+    """The global region ``box`` of the parts concatenated on dim 0, each part's rows read only where needed."""
+    if len(names) == 1:
+        return source.read(names[0], box)
+    rows = box[0] if box else slice(None)
+    start, stop, step = rows.indices(fused_shape(source, names)[0])
+    if step != 1:
+        raise CheckpointError(f"strided read of fused tensor {_label(names)}")
+    pieces, offset = [], 0
+    for part in names:
+        n = source.shape(part)[0]
+        lo, hi = max(start, offset), min(stop, offset + n)
+        if lo < hi:
+            pieces.append(source.read(part, (slice(lo - offset, hi - offset), *box[1:])))
+        offset += n
+    return torch.cat(pieces)
+
+
 # ---- shard-local loading ------------------------------------------------------------------------------------------
-def load_by_name(module: nn.Module, source: TensorSource, *, key_of: Callable[[str], str] = lambda n: n,
+def load_by_name(module: nn.Module, source: TensorSource, *,
+                 key_of: Callable[[str], str | tuple[str, ...]] = lambda n: n,
                  tied: Mapping[str, str] | None = None, transforms: Mapping[str, Any] | None = None,
                  what: str | None = None, strict_unused: bool = False) -> None:
     """Copy this rank's part of every parameter (and persistent buffer) of ``module`` from ``source``.
 
-    ``key_of(name)`` maps a module parameter name to its key in ``source`` (e.g. prefix and HF renaming).
+    ``key_of(name)`` maps a module parameter name to its key in ``source`` (e.g. prefix and HF renaming), or to
+    the keys of the tensors it is made of, in dim-0 order (a fused projection: a family's
+    ``WeightAdapter.hf_names``), read as their concatenation on dim 0.
     A tied parameter is read once, from the first of its names the source has; ``tied`` ({name: the name it
     shares storage with}, module names) adds partners the module itself does not show.
     ``transforms``: as in ``init_by_name`` (the source holds canonical tensors). Raises ``CheckpointError``
@@ -449,37 +447,36 @@ def load_by_name(module: nn.Module, source: TensorSource, *, key_of: Callable[[s
     with torch.no_grad():
         for name, names, p in entries:
             names = names + [partner[n] for n in names if n in partner and partner[n] not in names]
-            keys = [key_of(n) for n in names]
-            key = next((k for k in keys if source.has(k)), None)
+            keys = [_names(key_of(n)) for n in names]
+            key = next((k for k in keys if all(source.has(part) for part in k)), None)
             if key is None:
-                parts = fused_parts(keys[0])
-                missing = [k for k in parts if not source.has(k)] if len(parts) > 1 else []
-                fused = f", fused from {parts}" if missing else ""
-                raise CheckpointError(f"tensor {', '.join(missing) or keys[0]} (parameter {name} of the {what}{fused}) "
+                missing = [part for part in keys[0] if not source.has(part)]
+                fused = f", made of {list(keys[0])}" if len(keys[0]) > 1 else ""
+                raise CheckpointError(f"tensor {', '.join(missing)} (parameter {name} of the {what}{fused}) "
                                       f"is not in {source.where()}")
-            used.update(k for k in keys if source.has(k))
+            used.update(part for k in keys for part in k if source.has(part))
             want = tuple(p.shape)
-            got = source.shape(key)
+            got = fused_shape(source, key)
             if got != want:
-                raise CheckpointError(f"tensor {key} in {source.where(key)} has shape {list(got)}, but parameter "
-                                      f"{name} of the {what} has shape {list(want)}")
+                raise CheckpointError(f"tensor {_label(key)} in {source.where(key[0])} has shape {list(got)}, but "
+                                      f"parameter {name} of the {what} has shape {list(want)}")
             local = _local(p)
             index = local_index(p)
             if name in transforms:
-                full = source.read(key, tuple(slice(0, n) for n in want))
+                full = read_fused(source, key, tuple(slice(0, n) for n in want))
                 _observe(name, full)
                 try:
                     full = transforms[name].from_canonical(full)
                 except RuntimeError as e:
-                    raise CheckpointError(f"tensor {key} in {source.where(key)}: its layout does not fit this "
-                                          f"parallel layout ({e})") from None
+                    raise CheckpointError(f"tensor {_label(key)} in {source.where(key[0])}: its layout does not fit "
+                                          f"this parallel layout ({e})") from None
                 local.copy_(_select(full, index))
                 continue
             if local.numel() == 0:
                 continue
             bounds = [_bounds(ix) for ix in index]
             box = tuple(slice(a, b) for a, b in bounds)
-            part = source.read(key, box)
+            part = read_fused(source, key, box)
             _observe(name, part)
             local.copy_(_select(part, index, [a for a, _ in bounds]))
     if strict_unused and hasattr(source, "keys"):

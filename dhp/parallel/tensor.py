@@ -32,25 +32,29 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 IGNORE_INDEX = -100
 
 
+def heads_problem(key: str, size: int, heads: int, what: str) -> str | None:
+    """The one rule of head-parallel layouts (tensor parallelism, Ulysses SP): every rank holds whole heads, so
+    ``size`` must divide ``heads``. The problem in words (``key`` names the setting), or None. Families'
+    ``check_layout`` (before any worker starts) and the parallelize functions (``check_tp``) both use it."""
+    if size < 1:
+        return f"{key}={size} must be >= 1"
+    if heads % size:
+        return f"{key}={size} must divide the {what} ({heads})"
+    return None
+
+
 def check_tp(num_kv_heads: int, tp: int, what: str = "text") -> None:
     """Raise ValueError unless ``tp`` divides the number of KV heads (each rank must own whole KV heads)."""
-    if tp < 1:
-        raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
-    if num_kv_heads % tp:
-        raise ValueError(
-            f"{what} tensor parallel size {tp} does not divide the {num_kv_heads} KV heads "
-            f"(num_key_value_heads): every TP rank must hold whole key/value heads"
-        )
+    problem = heads_problem(f"{what}.parallel.tp", tp, num_kv_heads, "key/value heads")
+    if problem:
+        raise ValueError(problem)
 
 
 def check_vision_tp(num_heads: int, tp: int) -> None:
     """Raise ValueError unless ``tp`` divides the vision attention heads."""
-    if tp < 1:
-        raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
-    if num_heads % tp:
-        raise ValueError(
-            f"vision tensor parallel size {tp} does not divide the {num_heads} vision attention heads (num_heads)"
-        )
+    problem = heads_problem("vision.parallel.tp", tp, num_heads, "vision heads")
+    if problem:
+        raise ValueError(problem)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

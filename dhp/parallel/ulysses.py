@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dhp.models.layers import packed_attention
+from dhp.ops.attention import packed_attention
 
 # ---------------------------------------------------------------------------------------------
 # communication: closed form
@@ -79,13 +79,11 @@ def expected_alltoall_bytes(
 
 def check_sp(num_heads: int, sp: int) -> None:
     """Ulysses gives each rank H/sp whole heads: sp must be positive and divide the head count."""
-    if sp < 1:
-        raise ValueError(f"sequence-parallel size must be >= 1, got {sp}")
-    if num_heads % sp:
-        raise ValueError(
-            f"sequence-parallel size {sp} does not divide the {num_heads} attention heads "
-            f"(Ulysses gives every rank num_heads/sp whole heads)"
-        )
+    from dhp.parallel.tensor import heads_problem
+
+    problem = heads_problem("parallel.sp", sp, num_heads, "attention heads (Ulysses: whole heads per rank)")
+    if problem:
+        raise ValueError(problem)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,9 +4,14 @@ backward and optimizer step under ``FakeTensorMode``, in a fake process group of
 What runs is the code ``dhp train`` runs: the family's ``build`` on the meta device, its ``parallelize``
 (TP / Ulysses SP, activation checkpointing, FSDP2) with a ``Parallel`` whose process groups and DeviceMesh
 come from ``dhp.runtime.mesh`` over torch's fake backend, ``to_empty``, the engine's parameter groups and
-optimizer (ZeRO-1 included), the family's ``encode`` (the Qwen window sharding under SP: a rank holds
+optimizer (ZeRO-1 included), the family's ``encode`` (its own sharding under SP: a rank holds
 1/sp of the sequence) or the language model's ``loss_sum``, the engine's ``finish_gradients`` and ``step``.
 Tensors are fake: they have shapes, dtypes and devices, no storage, so a 72B model "runs" on a laptop.
+
+The inputs are the family's: ``family.synthetic_sample`` makes a sample of the job's media sizes (an image of N
+patches, a clip of F mel frames...) with real host metadata and fake media; an encoder's group encodes it, the
+language model's group packs it as the engine does and takes every encoder's embeddings at its placeholders,
+their width read off a shape-only run of the encoder's ``encode``. Nothing here names a module or a family.
 
 Three observers watch the same run:
 
@@ -22,7 +27,6 @@ every rank holds the same to within one attention window or one row of an uneven
 from __future__ import annotations
 
 import gc
-import math
 from collections import Counter
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -38,17 +42,18 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class GroupJob:
-    """One module group's layout and its work per micro-batch."""
+    """One module group's layout and its work per micro-batch: ``micro_batch_size`` samples of the family's
+    ``synthetic_sample`` with ``media`` and ``text_tokens``."""
 
-    module: str  # "vision" | "text"
+    module: str  # the module's name in its family ("vision", "audio", "text")
     dp: int = 1
-    inner: int = 1  # sp (vision) or tp ranks per replica
+    inner: int = 1  # sp or tp ranks per replica
     inner_kind: str = "none"  # "sp" | "tp" | "none"
     zero: int = 0
     activation_checkpointing: bool = False
     sequence_parallel: bool = False  # Megatron sequence parallelism inside TP (text): residual and norms 1/tp
-    vision_tokens: int = 16384  # patches per sample (one image each)
-    text_tokens: int = 4096  # text tokens per sample besides the image placeholders
+    media: tuple[tuple[str, int], ...] = ()  # a sample's media: (encoder, tokens of its own input), ``media_of``
+    text_tokens: int = 4096  # text tokens per sample besides the placeholders
     micro_batch_size: int = 1
     device: str = "cuda"  # the engine's decisions follow this device type (FSDP2 bf16 policy on cuda)
     dtype: str = "bfloat16"
@@ -60,6 +65,10 @@ class GroupJob:
     @property
     def ranks(self) -> int:
         return self.dp * self.inner
+
+    def tokens(self, encoder: str) -> int:
+        """The sample's tokens of ``encoder``'s own input (0: none)."""
+        return dict(self.media).get(encoder, 0)
 
 
 @dataclass
@@ -90,59 +99,164 @@ class GroupResult:
         return asdict(self)
 
 
-# ---- inputs -----------------------------------------------------------------------------------------------------
+# ---- inputs: the family's synthetic samples -----------------------------------------------------------------------
 
 
-def image_grid(patches: int) -> tuple[int, int, int]:
-    """(t, h, w) of one image of about ``patches`` patches: h and w even (2x2 merge), as square as possible."""
-    n = max(4, 4 * math.ceil(patches / 4)) // 4  # merged tokens
-    best = (1, n)
-    for a in range(1, int(math.isqrt(n)) + 1):
-        if n % a == 0:
-            best = (a, n // a)
-    return (1, 2 * best[0], 2 * best[1])
+def media_of(tokens: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    """A job's ``media`` from ``{encoder: tokens of its own input}`` (vision: patches; audio: mel frames)."""
+    return tuple(sorted((str(k), int(v)) for k, v in tokens.items() if v))
 
 
-def _vision_samples(job: GroupJob, model_cfg: Any) -> list:
-    """``micro_batch_size`` samples of one image each: the grid is real (host metadata), the pixels fake."""
-    from dhp.data.batch import Sample
+def family_of(family: Any = None) -> Any:
+    """``family``, or the registry's default family (looked up by name: the planner imports no family)."""
+    from dhp.models.registry import DEFAULT_FAMILY, get_family
 
-    grid = image_grid(job.vision_tokens)
-    n = grid[0] * grid[1] * grid[2]
-    out = []
-    for i in range(job.micro_batch_size):
-        with _real():  # everything but the pixels is host metadata (the sample's other fields included)
-            empty = torch.zeros(0, dtype=torch.long)
-            sample = Sample(index=i, input_ids=empty, labels=empty, position_ids=empty.view(3, 0),
-                            pixel_values=empty, image_grid_thw=torch.tensor([grid], dtype=torch.long))
-        sample.pixel_values = torch.zeros(n, model_cfg.vision.patch_dim)
-        out.append(sample)
-    return out
+    return family if family is not None else get_family(DEFAULT_FAMILY)
 
 
-def _text_batch(job: GroupJob, model_cfg: Any) -> dict[str, Any]:
-    """A packed micro-batch (real host tensors: ids, positions, targets, boundaries) and the image embeddings
-    as the router delivers them (fake, float32, a gradient leaf)."""
-    unit = model_cfg.vision.merge_unit
-    grid = image_grid(job.vision_tokens)
-    n_img = grid[0] * grid[1] * grid[2] // unit
-    per = job.text_tokens + n_img
-    with _real():
-        ids = torch.full((job.micro_batch_size, per), 0, dtype=torch.long)
-        ids[:, 1:1 + n_img] = model_cfg.image_token_id
-        input_ids = ids.reshape(1, -1)
-        position_ids = torch.arange(per).repeat(job.micro_batch_size).view(1, 1, -1).expand(3, 1, -1).contiguous()
-        targets = input_ids.masked_fill(input_ids == model_cfg.image_token_id, -100)  # images: not supervised
-        cu = torch.arange(0, job.micro_batch_size + 1, dtype=torch.int32) * per
-    media = torch.zeros(n_img * job.micro_batch_size, model_cfg.text.hidden_size, requires_grad=True)
-    return {"input_ids": input_ids, "position_ids": position_ids, "targets": targets, "cu_seqlens": cu,
-            "media": media}
+def is_language(family: Any, module: str) -> bool:
+    return module == family.language.name
 
 
 def _real():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def _shape_mode():
+    """A ``FakeTensorMode`` of its own, for the family's synthetic samples: the media come out fake (shapes, no
+    memory), the host metadata real (the family makes it under ``host_metadata``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def synthetic_samples(job: GroupJob, model_cfg: Any, family: Any, media: dict[str, int] | None = None) -> list:
+    """``micro_batch_size`` samples of the family's ``synthetic_sample`` for ``job`` (``media``: the job's own by
+    default), made under ``_shape_mode``: their media tensors are fake (``materialized`` later, where they are
+    to be counted), their host metadata real."""
+    media = dict(job.media) if media is None else media
+    with _shape_mode():
+        return [family.synthetic_sample(model_cfg, media, job.text_tokens, index=i)
+                for i in range(job.micro_batch_size)]
+
+
+def sample_tokens(family: Any, model_cfg: Any, media: dict[str, int], text_tokens: int) -> int:
+    """Tokens of the language model's sequence in one synthetic sample: the text and every placeholder."""
+    with _shape_mode():
+        return int(family.synthetic_sample(model_cfg, media, text_tokens).input_ids.shape[0])
+
+
+def _map_tensors(sample: Any, fn: Any) -> Any:
+    """A shallow copy of ``sample`` with ``fn`` applied to each tensor field (and tensor values of dict fields)."""
+    import copy
+
+    out = copy.copy(sample)
+    for name, value in list(vars(out).items()):
+        if isinstance(value, torch.Tensor):
+            setattr(out, name, fn(value))
+        elif isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values()):
+            setattr(out, name, {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in value.items()})
+    return out
+
+
+def materialized(sample: Any) -> Any:
+    """``sample`` with its media (the fake tensors of ``synthetic_samples``) made afresh in the current mode:
+    fake under the planner's run, real zeros in a real one, and counted by the tracker where they are made, as
+    a rank's loaded sample is. Host metadata (real tensors) is kept as it is."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return _map_tensors(sample, lambda t: torch.zeros(t.shape, dtype=t.dtype) if is_fake(t) else t)
+
+
+def without_media(sample: Any) -> Any:
+    """``sample`` as the language model's rank loads it (``pixels=False``): every media tensor empty."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return _map_tensors(sample, lambda t: torch.zeros((0, *t.shape[1:]), dtype=t.dtype) if is_fake(t) else t)
+
+
+@dataclass(frozen=True)
+class MediaInput:
+    """What the router delivers to the language model for one placeholder id: rows, width, payload dtype."""
+
+    token_id: int
+    rows: int
+    width: int
+    dtype: torch.dtype  # what crosses the router (the encoder's compute dtype); the language model takes float32
+
+
+_OUTPUT_WIDTH: dict[tuple, int] = {}
+
+
+def encoder_width(family: Any, name: str, model_cfg: Any, tokens: int) -> int:
+    """The width of the encoder's embeddings, from the shape of its ``encode`` output on a synthetic sample (a
+    shape-only run of the shallowest depth variant, on one process): the language model's input width as the
+    family makes it, no config field read."""
+    from dhp.parallel.layout import Parallel
+
+    key = (id(family), name, repr(model_cfg), tokens)
+    if key not in _OUTPUT_WIDTH:
+        enc = family.module(name)
+        variants = enc.depth_variants(model_cfg)
+        cfg = variants[0][0] if variants else model_cfg
+        with _shape_mode(), torch.no_grad():
+            sample = family.synthetic_sample(cfg, {name: tokens}, 0)
+            module = enc.build(cfg)
+            enc.reset_buffers(module)
+            out, _ = enc.encode(module, [sample], Parallel(_config(GroupJob(name)).module(name).parallel), "cpu")
+        _OUTPUT_WIDTH[key] = int(out.shape[-1])
+    return _OUTPUT_WIDTH[key]
+
+
+def media_inputs(job: GroupJob, model_cfg: Any, family: Any, samples: list, payload: torch.dtype) -> list[MediaInput]:
+    """Per placeholder id of every encoder, the rows the micro-batch's samples hold (``placeholder_counts``) and
+    the encoder's width: the language model's media, as the router delivers them."""
+    out = []
+    media = dict(job.media)
+    for enc in family.encoders:
+        counts = [enc.placeholder_counts(s, model_cfg) for s in samples]
+        if not any(sum(c) for c in counts):
+            continue
+        if enc.name not in media:
+            raise ValueError(f"the {job.module} job's samples hold {enc.name} placeholders but its media "
+                             f"{media} has no {enc.name} entry")
+        width = encoder_width(family, enc.name, model_cfg, media[enc.name])
+        for k, tid in enumerate(enc.placeholder_ids(model_cfg)):
+            rows = sum(c[k] for c in counts)
+            if rows:
+                out.append(MediaInput(int(tid), rows, width, payload))
+    return out
+
+
+@dataclass
+class _Inputs:
+    """A micro-batch of ``job``, made before the run (outside the tracker; media fake): an encoder's samples, or
+    the language model's packed host tensors and its media."""
+
+    samples: list = field(default_factory=list)  # an encoder's (media fake, ``materialized`` in the run)
+    batch: Any = None  # the language model's packed batch (host tensors)
+    media: list[MediaInput] = field(default_factory=list)
+
+
+def _inputs(job: GroupJob, model_cfg: Any, family: Any) -> _Inputs:
+    from dhp.config import compute_dtype
+
+    if not is_language(family, job.module):
+        if not job.tokens(job.module):
+            return _Inputs()  # no media for this encoder: it runs no micro-batch (as the engine skips it)
+        return _Inputs(samples=synthetic_samples(job, model_cfg, family, {job.module: job.tokens(job.module)}))
+    from dhp.data.batch import pack
+
+    samples = synthetic_samples(job, model_cfg, family)
+    cfg = _config(job)
+    payload = torch.bfloat16 if compute_dtype(cfg.train, job.device) == "bfloat16" else torch.float32
+    media = media_inputs(job, model_cfg, family, samples, payload)
+    with _real():
+        batch = pack([without_media(s) for s in samples])
+    return _Inputs(batch=batch, media=media)
+
 
 
 # ---- the fake world ---------------------------------------------------------------------------------------------
@@ -175,7 +289,7 @@ def _fake_world(job: GroupJob, spec_parallel: Any, fake: bool = True, joining: b
     layout = ModuleLayout(job.module, job.dp, job.inner, name)
     groups = create_mesh_groups([layout], backend, rank)
     mesh = device_mesh(layout, rank, groups, "cpu")
-    return Parallel(spec=spec_parallel, inner_kind=name if job.inner > 1 else "none", dp_rank=rank // job.inner,
+    return Parallel(config=spec_parallel, inner_kind=name if job.inner > 1 else "none", dp_rank=rank // job.inner,
                     inner_rank=rank % job.inner, dp_group=groups["dp"], inner_group=groups[name],
                     module_group=dist.group.WORLD, mesh=mesh)
 
@@ -203,7 +317,7 @@ def _engine_shell(spec: Any, model_cfg: Any, cfg: Any, par: Any) -> tuple[Any, A
     from dhp.engine import ModuleEngine
 
     eng = ModuleEngine.__new__(ModuleEngine)
-    eng.spec, eng.model_cfg, eng.cfg = spec, model_cfg, cfg
+    eng.definition, eng.model_cfg, eng.cfg = spec, model_cfg, cfg
     eng.mcfg = cfg.module(spec.name)
     eng.par = par
     eng.device = torch.device("cpu")
@@ -220,18 +334,17 @@ def _engine_build(eng: Any, fsdp_mesh: Any, device_type: str) -> Any:
     from dhp.engine import lr_lambda, param_groups
     from dhp.models.spec import ParallelizeOptions
 
-    spec, cfg = eng.spec, eng.cfg
+    spec, cfg = eng.definition, eng.cfg
     with torch.device("cpu"):
         eng.module = spec.build(eng.model_cfg)
-    eng._set_loss_chunking()
+    eng._set_train_options()
     policy = eng._set_precision(device_type)  # train.dtype / train.precision as the engine resolves them there
     eng._set_trainable()
     opts = ParallelizeOptions(activation_checkpointing=eng.mcfg.activation_checkpointing, fsdp_mesh=fsdp_mesh,
                               mp_policy=policy, sequence_parallel=eng.mcfg.parallel.sequence_parallel)
     spec.parallelize(eng.module, eng.par, opts)
     eng._set_trainable()
-    if spec.reset_buffers is not None:
-        spec.reset_buffers(eng.module)
+    spec.reset_buffers(eng.module)
     named = list({id(p): (n, p) for n, p in eng.module.named_parameters()}.values())
     groups = param_groups(named, cfg.train.lr, cfg.train.weight_decay)
     eng.trainable = [p for g in groups for p in g["params"]]
@@ -328,18 +441,20 @@ def _local_flop_counter() -> Any:
 
 def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True) -> GroupResult:
     """Run one rank of ``job`` under FakeTensorMode and a fake process group; see the module docstring.
-    ``fake=False``: the same code on real tensors, on this rank of the real default group (tests)."""
+    ``fake=False``: the same code on real tensors, on this rank of the real default group (tests). ``family``:
+    the model family (``dhp.models.spec.Family``; default: the registry's default)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from dhp.models.registry import get_family
     from dhp.parallel.comm import CommCounter
     from dhp.parallel.sharding import is_fsdp
 
     _register_cpu_attention_flops()
-    family = family or get_family("qwen2_5_vl")
+    family = family_of(family)
     spec = family.module(job.module)
+    inputs = _inputs(job, model_cfg, family)  # before the run's fake mode: shapes only, host metadata real
+    static = job.static or not (inputs.samples or inputs.batch is not None)
     cfg = _config(job)
     par = _fake_world(job, cfg.module(job.module).parallel, fake)
     res = GroupResult()
@@ -363,17 +478,17 @@ def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True
             with ExitStack() as stack:
                 stack.enter_context(_untracked_sharding_propagation())
                 stack.enter_context(tracker)
-                if not job.static:
+                if not static:
                     with flops, comm:
-                        after_fwd, before = _micro_batch(eng, job, model_cfg, tracker)
+                        after_fwd, before, res.router = _micro_batch(eng, inputs, tracker)
                     res.retained = max(0, after_fwd - before)
-                res.grads = _local_bytes([p.grad for p in eng.trainable]) if not job.static else 0
+                res.grads = _local_bytes([p.grad for p in eng.trainable]) if not static else 0
                 fb = _device_snapshot(tracker.get_tracker_snapshot("peak"))
                 tracker._peak_mem, tracker._peak_mem_snap = {}, {}  # the step's own peak from here
                 step = CommCounter()
                 with step:
                     eng.finish_gradients(1.0)  # real code: zero grads where a parameter got none, dp/sp reduce
-                if job.static:
+                if static:
                     res.grads = _local_bytes([p.grad for p in eng.trainable])
                 with step:  # (the global norm is a few scalars, and a host read: left out)
                     eng.step(1.0)
@@ -386,15 +501,6 @@ def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True
             res.comm = dict(comm.bytes)
             res.comm_sent = dict(comm.sent)
             res.step_comm = dict(step.bytes)
-            if job.module == "text":
-                n_img = image_grid(job.vision_tokens)
-                n_img = n_img[0] * n_img[1] * n_img[2] // model_cfg.vision.merge_unit * job.micro_batch_size
-                res.router = 2 * n_img * model_cfg.text.hidden_size * 4  # embeddings in, gradients out (float32)
-            else:
-                grid = image_grid(job.vision_tokens)
-                n_img = grid[0] * grid[1] * grid[2] // model_cfg.vision.merge_unit * job.micro_batch_size
-                res.router = 2 * n_img * model_cfg.vision.out_hidden_size * 4 // max(1, job.inner
-                                                                                    if job.inner_kind == "sp" else 1)
     finally:
         if fake and dist.is_initialized():
             dist.destroy_process_group()
@@ -523,14 +629,27 @@ def _peak_only(cls: type) -> type:
 def _know_fsdp_roots(tracker: Any, module: torch.nn.Module) -> None:
     """``FSDPMemTracker`` registers a unit when its ``__call__`` runs; a root driven through a registered
     forward method (``TextModel.loss_sum``, ``VisionTransformer.encode_rows``) never goes through it, and its
-    backward hook would then find no entry. Register the root up front (its blocks register themselves)."""
+    backward hook would then find no entry. Register the root up front (its blocks register themselves). A
+    root with several forward methods (the Omni audio encoder's ``encode_chunks`` then ``pool_project``) enters
+    its pre-forward more than once in one forward, which the tracker takes for a second iteration and refuses:
+    its per-module statistics (which the planner does not read: the device peak only) are begun afresh at
+    each entry instead."""
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModMemStats
     from torch.distributed.fsdp import FSDPModule
+    from torch.utils.weak import WeakIdKeyDictionary
 
-    if isinstance(module, FSDPModule) and module not in tracker.memory_tracking:
+    if not isinstance(module, FSDPModule):
+        return
+    if module not in tracker.memory_tracking:
         stat = _FSDPModMemStats(type(module).__name__)
         stat.local_peak = {}
         tracker.memory_tracking[module] = stat
+
+    class _RootReentrant(WeakIdKeyDictionary):
+        def __contains__(self, key: object) -> bool:
+            return key is not module and super().__contains__(key)
+
+    tracker.memory_tracking = _RootReentrant(dict(tracker.memory_tracking.items()))
 
 
 def _device_snapshot(snap: dict) -> dict[str, int]:
@@ -546,26 +665,46 @@ def _current_total(tracker: Any) -> int:
     return _device_snapshot(tracker.get_tracker_snapshot("current")).get("Total", 0)
 
 
-def _micro_batch(eng: Any, job: GroupJob, model_cfg: Any, tracker: Any) -> tuple[int, int]:
-    """One micro-batch through the engine's code: the encoder's forward then backward of its embeddings'
-    gradient, or the language model's ``loss_sum`` and backward. -> (memory after forward, before it)."""
-    before = _current_total(tracker)
-    if job.module == "text":
-        b = _text_batch(job, model_cfg)
-        media = {model_cfg.image_token_id: b["media"]}
-        with eng.autocast():
-            loss = eng.module.loss_sum(b["input_ids"], b["position_ids"], b["targets"], media, b["cu_seqlens"])
-        after = _current_total(tracker)
-        loss.backward()
-        return after, before
-    samples = _vision_samples(job, model_cfg)
+def _encoder_forward(eng: Any, inputs: _Inputs) -> tuple[torch.Tensor, int]:
+    """The encoder's forward on the micro-batch's samples, their media made here (counted, as a rank's loaded
+    samples are) -> (its embeddings as float32, as the language model takes them; router bytes: the embeddings
+    out and their gradients back, in the dtype the encoder computes them in, this rank's rows)."""
+    samples = [materialized(s) for s in inputs.samples]
     with eng.autocast():
-        embeds, _ = eng.spec.encode(eng.module, samples, eng.par, eng.device)
+        embeds, _ = eng.definition.encode(eng.module, samples, eng.par, eng.device)
+        router = 2 * embeds.numel() * embeds.element_size()
         embeds = embeds.float()
     del samples  # the engine's forward drops its samples on return: what stays is what the graph saved
+    return embeds, router
+
+
+def _language_loss(eng: Any, inputs: _Inputs) -> tuple[torch.Tensor, int]:
+    """The language model's ``loss_sum`` on the packed micro-batch (its host tensors made here, as the engine's
+    pack is) with the encoders' embeddings as the router delivers them (float32 gradient leaves) -> (the loss;
+    router bytes: the embeddings in and their gradients out, in the payload dtype)."""
+    b = inputs.batch
+    with _real():  # host metadata: real tensors, counted where they are made
+        ids, pos, targets, cu = (t.clone() for t in (b.input_ids, b.position_ids, b.targets, b.cu_seqlens))
+    media = {m.token_id: torch.zeros(m.rows, m.width, requires_grad=True) for m in inputs.media}
+    with eng.autocast():
+        loss = eng.module.loss_sum(ids, pos, targets, media, cu)
+    return loss, sum(2 * m.rows * m.width * m.dtype.itemsize for m in inputs.media)
+
+
+def _micro_batch(eng: Any, inputs: _Inputs, tracker: Any) -> tuple[int, int, int]:
+    """One micro-batch through the engine's code: the encoder's forward then backward of its embeddings'
+    gradient, or the language model's ``loss_sum`` and backward. -> (memory after forward, before it, router
+    bytes)."""
+    before = _current_total(tracker)
+    if inputs.batch is not None:
+        loss, router = _language_loss(eng, inputs)
+        after = _current_total(tracker)
+        loss.backward()
+        return after, before, router
+    embeds, router = _encoder_forward(eng, inputs)
     after = _current_total(tracker)
     embeds.backward(torch.zeros_like(embeds))
-    return after, before
+    return after, before, router
 
 
 # ---- deep stacks: two shallow runs, extrapolated along the depth --------------------------------------------------
@@ -574,42 +713,19 @@ _NUMERIC = ("peak_fb", "peak_step", "weights", "grads", "optimizer", "activation
             "parameters")
 
 
-def _depths(job: GroupJob, model_cfg: Any) -> tuple[Any, Any, float] | None:
-    """Two shallower configs of the same model and where the real depth lies on the line through them:
-    the text model at 8 and 16 layers (at fewer, the peak sits at the loss rather than at the end of the
-    forward and the line does not hold yet); the vision encoder at one and two periods of its full-attention
-    pattern (Qwen2.5-VL: 8 and 16 blocks, full attention at block 7 (and 15)). None: run it whole."""
-    from dataclasses import replace
-
-    if job.module == "text":
-        n = model_cfg.text.num_hidden_layers
-        if n <= 24:
-            return None
-        small = [replace(model_cfg, text=replace(model_cfg.text, num_hidden_layers=k)) for k in (8, 16)]
-        return small[0], small[1], (n - 8) / 8
-    v = model_cfg.vision
-    full = list(v.fullatt_block_indexes)
-    if len(full) < 3:
-        return None
-    period = full[0] + 1
-    if any(b != period * (i + 1) - 1 for i, b in enumerate(full)) or v.depth != period * len(full):
-        return None
-    small = [replace(model_cfg, vision=replace(v, depth=period * k, fullatt_block_indexes=tuple(full[:k])))
-             for k in (1, 2)]
-    return small[0], small[1], len(full) - 1.0
-
-
 def measure_model(job: GroupJob, model_cfg: Any, family: Any = None) -> GroupResult:
-    """``measure``, on the whole model or, for a deep stack, on two shallow copies of it whose results are
-    extended along the depth: every block of a stack holds and computes the same, so the peak, its parts, the
-    FLOPs and the bytes of every collective are linear in the number of blocks (``tests/unit/test_plan.py``
-    checks the line against the whole model)."""
-    plan = _depths(job, model_cfg)
+    """``measure``, on the whole model or, for a deep stack, on the two shallow copies of it that the module's
+    ``depth_variants`` gives (one and two depth steps), whose results are extended along the depth: every block
+    of a stack holds and computes the same, so the peak, its parts, the FLOPs and the bytes of every collective
+    are linear in the number of blocks (``tests/unit/test_plan_collocated.py`` checks the line against the
+    whole model)."""
+    family = family_of(family)
+    plan = family.module(job.module).depth_variants(model_cfg)
     if plan is None:
         return measure(job, model_cfg, family)
-    a_cfg, b_cfg, t = plan
+    (a_cfg, b_cfg), steps = plan
     a, b = measure(job, a_cfg, family), measure(job, b_cfg, family)
-    return extrapolate(a, b, t)
+    return extrapolate(a, b, steps - 1)  # the whole depth lies steps - 1 steps beyond the first variant
 
 
 def extrapolate(a: GroupResult, b: GroupResult, t: float) -> GroupResult:
@@ -633,29 +749,29 @@ def extrapolate(a: GroupResult, b: GroupResult, t: float) -> GroupResult:
 
 def measure_collocated(jobs: dict[str, GroupJob], model_cfg: Any, family: Any = None, fake: bool = True,
                        rounds: int = 2) -> int:
-    """The peak of one collocated rank holding both groups (same ranks, one engine each), running the order the
-    Ray backend submits under ``placement=collocated`` (``encoders_ahead`` 0): per round vision forward, text
-    forward-backward, vision backward; then both groups' gradient reduction and optimizer step. Why: the planner
-    predicts this peak from separate runs of each group (``planner.evaluate``: a group's own peak plus what the
-    other holds meanwhile); this is the run it stands for, under one tracker (``tests/unit/test_plan.py``). Two
-    rounds, so that each group's gradients exist while the other runs, as they do from a replica's second
-    micro-batch on. Non-FSDP layouts only (dhp's collocated rows are SP / TP). Fake: run it after the process's
-    other fake runs (the text group's mesh groups are made second here, and DTensor keeps meshes of a past fake
-    world that a later ``measure`` of the same layout picks up)."""
+    """The peak of one collocated rank holding every group (same ranks, one engine each), running the order the
+    Ray backend submits under ``placement=collocated`` (``encoders_ahead`` 0): per round each encoder's forward,
+    the language model's forward-backward, each encoder's backward; then every group's gradient reduction and
+    optimizer step. Why: the planner predicts this peak from separate runs of each group (``planner.evaluate``:
+    a group's own peak plus what the others hold meanwhile); this is the run it stands for, under one tracker
+    (``tests/unit/test_plan_collocated.py``). Two rounds, so that each group's gradients exist while the others
+    run, as they do from a replica's second micro-batch on. Non-FSDP layouts only (dhp's collocated rows are
+    SP / TP). Fake: run it after the process's other fake runs (the language model's mesh groups are made last
+    here, and DTensor keeps meshes of a past fake world that a later ``measure`` of the same layout picks up)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from dhp.models.registry import get_family
-
     _register_cpu_attention_flops()
-    family = family or get_family("qwen2_5_vl")
-    v_job, t_job = jobs["vision"], jobs["text"]
-    assert v_job.ranks == t_job.ranks and v_job.zero != 3 and t_job.zero != 3, (v_job, t_job)
+    family = family_of(family)
+    order = [m for m in family.module_names if m in jobs]  # the encoders, then the language model
+    assert family.language.name in jobs and len({jobs[m].ranks for m in order}) == 1, jobs
+    assert all(jobs[m].zero != 3 for m in order), jobs
+    inputs = {m: _inputs(jobs[m], model_cfg, family) for m in order}
     shells = {}
     try:
-        for i, (k, job) in enumerate((("vision", v_job), ("text", t_job))):
-            cfg = _config(job)
-            par = _fake_world(job, cfg.module(k).parallel, fake, joining=i > 0)
+        for i, k in enumerate(order):
+            cfg = _config(jobs[k])
+            par = _fake_world(jobs[k], cfg.module(k).parallel, fake, joining=i > 0)
             shells[k] = _engine_shell(family.module(k), model_cfg, cfg, par)
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext():
             eng = {k: _engine_build(e, mesh, jobs[k].device) for k, (e, mesh) in shells.items()}
@@ -666,7 +782,7 @@ def measure_collocated(jobs: dict[str, GroupJob], model_cfg: Any, family: Any = 
             tracker.track_external(*(x for e in eng.values() for x in (e.module, e.optimizer) if x is not None))
             with _untracked_sharding_propagation(), tracker:
                 for _ in range(rounds):
-                    _collocated_round(eng, jobs, model_cfg)
+                    _collocated_round(eng, inputs, family.language.name)
                     tracker.reset_mod_stats()  # the module statistics only: the device peak stays
                 for e in eng.values():
                     e.finish_gradients(1.0)
@@ -678,18 +794,12 @@ def measure_collocated(jobs: dict[str, GroupJob], model_cfg: Any, family: Any = 
             dist.destroy_process_group()
 
 
-
-def _collocated_round(eng: dict[str, Any], jobs: dict[str, GroupJob], model_cfg: Any) -> None:
-    """One micro-batch round of a collocated rank: the encoder's output (and its graph) is held while the text
-    group runs, and released by the encoder's backward."""
-    v, t = eng["vision"], eng["text"]
-    with v.autocast():
-        embeds, _ = v.spec.encode(v.module, _vision_samples(jobs["vision"], model_cfg), v.par, v.device)
-        embeds = embeds.float()
-    b = _text_batch(jobs["text"], model_cfg)
-    with t.autocast():
-        loss = t.module.loss_sum(b["input_ids"], b["position_ids"], b["targets"],
-                                 {model_cfg.image_token_id: b["media"]}, b["cu_seqlens"])
+def _collocated_round(eng: dict[str, Any], inputs: dict[str, _Inputs], language: str) -> None:
+    """One micro-batch round of a collocated rank: each encoder's output (and its graph) is held while the
+    language model runs, and released by the encoder's backward."""
+    held = [_encoder_forward(e, inputs[k])[0] for k, e in eng.items() if k != language and inputs[k].samples]
+    loss, _ = _language_loss(eng[language], inputs[language])
     loss.backward()
-    del loss, b
-    embeds.backward(torch.zeros_like(embeds))
+    del loss
+    for embeds in held:
+        embeds.backward(torch.zeros_like(embeds))

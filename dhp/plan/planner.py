@@ -1,13 +1,18 @@
 """Layouts side by side: which fit, how fast, from the fake runs of ``dhp.plan.measure``.
 
-Strategies, on the same GPUs and the same global batch (``micro_batch_size`` samples per GPU per step):
+Any family: the rows are built from its modules (``family.encoders``, ``family.language``), what each supports
+(``module.inner``: Ulysses SP, TP; ``module.check_layout``: which degrees its heads allow) and its synthetic
+samples (``family.synthetic_sample``); nothing here names a module. Strategies, on the same GPUs and the same
+global batch (``micro_batch_size`` samples per GPU per step):
 
-* ``zero3``: FSDP2 (ZeRO-3) over all GPUs for both modules, collocated;
-* ``uniform-tp``: one TP degree for both modules (the SPMD baseline), ZeRO-1 over dp, collocated;
-* ``dhp-collocated``: vision Ulysses SP x DP and text TP x DP on the same GPUs, taking turns;
-* ``dhp-disaggregated``: m GPUs for vision, n = N - m for text, the splits searched;
+* ``zero3``: FSDP2 (ZeRO-3) over all GPUs for every module, collocated;
+* ``uniform-tp``: one TP degree for every module that has TP (the SPMD baseline; a module without TP runs data
+  parallel), ZeRO-1 over dp, collocated;
+* ``dhp-collocated``: each encoder Ulysses SP x DP (its SP degree searched) and the language model TP x DP on
+  the same GPUs, taking turns;
+* ``dhp-disaggregated``: m_e GPUs for each encoder, the rest for the language model, the splits searched;
 
-each with and without activation checkpointing (both modules). A group's figures come from one fake run of
+each with and without activation checkpointing (every module). A group's figures come from one fake run of
 one of its ranks (``measure_model``); a run is keyed by what changes it, so layouts share runs.
 
 Step time (stated, not tuned): a micro-batch of a rank takes FLOPs / (peak x efficiency) plus its
@@ -15,30 +20,33 @@ collectives at the device's link bandwidth (ring all-reduce 2(n-1)/n of the payl
 scatter (n-1)/n x, all-to-all the bytes it sends); FSDP2's all-gathers and reduce-scatters overlap the
 compute (the larger of the two counts). Per step a group runs its replica's micro-batches, its gradient
 reduction, and its optimizer step at memory bandwidth (weights, gradients and state read and written once).
-Router bytes (image embeddings and their gradients) cross the link once per micro-batch. Collocated groups
-take turns (the sum); disaggregated groups overlap (the larger, plus one micro-batch of the other to fill the
-pipeline). A collocated GPU holds, while one group runs, the other group's weights, gradients, optimizer
-state and (vision) the activations it keeps for its backward.
+Router bytes (the encoders' embeddings and their gradients, in the compute dtype) cross the link once per
+micro-batch. Collocated groups take turns (the sum); disaggregated groups overlap (the larger, plus one
+micro-batch of the quickest to fill the pipeline). A collocated GPU holds, while one group runs, the other
+groups' weights, gradients, optimizer state and (an encoder) the activations it keeps for its backward.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dhp.plan.devices import Device
-from dhp.plan.measure import GiB, GroupJob, GroupResult, image_grid
+from dhp.observe.devices import Device
+from dhp.plan.measure import GiB, GroupJob, GroupResult, family_of, media_of, sample_tokens
 
 STRATEGIES = ("dhp-collocated", "dhp-disaggregated", "uniform-tp", "zero3")
+SP_DEGREES = (1, 2, 4, 8, 16)  # Ulysses degrees searched for an encoder
+MAX_TP = 8  # TP within a node
 
 
 @dataclass
 class Row:
     strategy: str
-    vision_tokens: int
+    media: Any  # the sample's media, ``{encoder: tokens of its own input}`` (an int: the first encoder's)
     ac: bool
     jobs: dict[str, GroupJob]
     placement: str = "collocated"
@@ -46,98 +54,197 @@ class Row:
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0
     groups: dict[str, dict[str, float]] = field(default_factory=dict)
+    tokens_per_sample: int = 0  # the language model's sequence per sample (text and placeholders)
 
     def overrides(self) -> list[str]:
-        v, t = self.jobs["vision"], self.jobs["text"]
-        return [
-            f"vision.parallel.dp={v.dp}",
-            f"vision.parallel.sp={v.inner if v.inner_kind == 'sp' else 1}",
-            f"vision.parallel.tp={v.inner if v.inner_kind == 'tp' else 1}",
-            f"vision.parallel.zero={v.zero}",
-            f"text.parallel.dp={t.dp}",
-            f"text.parallel.tp={t.inner if t.inner_kind == 'tp' else 1}",
-            f"text.parallel.zero={t.zero}",
-            f"text.parallel.sequence_parallel={str(t.sequence_parallel).lower()}",
-            f"vision.activation_checkpointing={str(v.activation_checkpointing).lower()}",
-            f"text.activation_checkpointing={str(t.activation_checkpointing).lower()}",
-            f"runtime.placement={self.placement}",
-        ] + ([f"train.precision={t.precision}"] if t.precision != "fp32_master" else [])
+        """The config keys of the row's layout, every module's (``module.parallel.*``, checkpointing), the placement
+        and the precision."""
+        out = []
+        for name, j in self.jobs.items():
+            out += [f"{name}.parallel.dp={j.dp}",
+                    f"{name}.parallel.sp={j.inner if j.inner_kind == 'sp' else 1}",
+                    f"{name}.parallel.tp={j.inner if j.inner_kind == 'tp' else 1}",
+                    f"{name}.parallel.zero={j.zero}",
+                    f"{name}.parallel.sequence_parallel={str(j.sequence_parallel).lower()}"]
+        out += [f"{name}.activation_checkpointing={str(j.activation_checkpointing).lower()}"
+                for name, j in self.jobs.items()]
+        precision = next(iter(self.jobs.values())).precision
+        return out + [f"runtime.placement={self.placement}"] + (
+            [f"train.precision={precision}"] if precision != "fp32_master" else [])
+
+    def media_tokens(self) -> dict[str, int]:
+        return dict(self.media) if not isinstance(self.media, int) else {}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"strategy": self.strategy, "overrides": self.overrides(), "vision_tokens": self.vision_tokens,
+        return {"strategy": self.strategy, "overrides": self.overrides(), "media_tokens": self.media_tokens(),
                 "fits": self.fits, "step_time_s": float(self.step_time_s), "tokens_per_s": float(self.tokens_per_s),
                 "groups": self.groups}
+
+
+def as_media(media: Any, family: Any) -> dict[str, int]:
+    """``{encoder: tokens}`` from a dict, or from an int (the family's first encoder's tokens)."""
+    if isinstance(media, int):
+        return {family.encoders[0].name: media} if family.encoders else {}
+    return {str(k): int(v) for k, v in dict(media).items()}
 
 
 def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def candidate_rows(model_cfg: Any, gpus: int, vision_tokens: list[int], text_tokens: int, mbs: int,
-                   strategies: tuple[str, ...] = STRATEGIES, device: str = "cuda",
-                   precision: str = "fp32_master") -> list[Row]:
-    heads, kv = model_cfg.vision.num_heads, model_cfg.text.num_key_value_heads
-    # uniform TP: one degree for both modules, dividing the vision heads and MLP width (72B's 3420 is not a
-    # multiple of 8: its encoder's column shards would be uneven) and the text key/value heads
-    tps = [t for t in _divisors(gpus, 8)
-           if heads % t == 0 and kv % t == 0 and model_cfg.vision.intermediate_size % t == 0]
-    tp = max(tps)  # uniform TP
-    text_tp = max(t for t in _divisors(gpus, 8) if kv % t == 0)  # dhp: the text side's own degree
-    base = dict(text_tokens=text_tokens, micro_batch_size=mbs, device=device, precision=precision)
+def _fits(module: Any, model_cfg: Any, sp: int = 1, tp: int = 1) -> bool:
+    """Whether the module supports ``sp``/``tp`` on this model (its kinds of inner parallelism, its heads...)."""
+    for kind, n in (("sp", sp), ("tp", tp)):
+        if n > 1 and kind not in module.inner:
+            return False
+    return module.check_layout(model_cfg, sp, tp) is None
+
+
+class _Jobs:
+    """The GroupJobs of one (media, checkpointing) point: a module's job on ``n`` GPUs in each layout kind."""
+
+    def __init__(self, family: Any, model_cfg: Any, base: dict[str, Any]) -> None:
+        self.family, self.model_cfg, self.base = family, model_cfg, base
+
+    def language(self, n: int, t: int) -> GroupJob:
+        # TP with Megatron sequence parallelism where the module has it, as a skilled user runs it: the residual
+        # stream, norms and the blocks' saved inputs are split over the tp ranks (all-gather + reduce-scatter in
+        # place of each all-reduce, the same bytes)
+        lang = self.family.language
+        dp = n // t
+        return GroupJob(lang.name, dp=dp, inner=t, inner_kind="tp" if t > 1 else "none", zero=1 if dp > 1 else 0,
+                        sequence_parallel=t > 1 and lang.sequence_parallel, **self.base)
+
+    def encoder(self, name: str, m: int, s: int, kind: str = "sp") -> GroupJob:
+        dp = m // s
+        return GroupJob(name, dp=dp, inner=s, inner_kind=kind if s > 1 else "none",
+                        zero=1 if dp * (s if kind == "sp" else 1) > 1 else 0, **self.base)
+
+    def text_tp(self, n: int) -> int:
+        """The language model's own TP degree on ``n`` GPUs: the largest its heads allow (at most ``MAX_TP``)."""
+        lang = self.family.language
+        return max(t for t in _divisors(n, MAX_TP) if _fits(lang, self.model_cfg, tp=t))
+
+    def sp_degrees(self, enc: Any, m: int) -> list[int]:
+        return [s for s in SP_DEGREES if m % s == 0 and _fits(enc, self.model_cfg, sp=s)]
+
+
+def candidate_rows(model_cfg: Any, gpus: int, media: list, text_tokens: int, mbs: int,
+                   strategies: tuple[str, ...] = STRATEGIES, device: str = "cuda", precision: str = "fp32_master",
+                   family: Any = None) -> list[Row]:
+    """Every row of every strategy at every media point (``media``: ``{encoder: tokens}`` per point; an int, the
+    family's first encoder's tokens)."""
+    family = family_of(family)
     rows = []
-    for T in vision_tokens:
+    for point in media:
+        tokens = as_media(point, family)
+        per_sample = sample_tokens(family, model_cfg, tokens, text_tokens)
         for ac in (False, True):
-            b = dict(base, vision_tokens=T, activation_checkpointing=ac)
-
-            def text(n: int, t: int, b: dict = b) -> GroupJob:
-                # TP with Megatron sequence parallelism, as a skilled user runs it: the residual stream, norms
-                # and the blocks' saved inputs are split over the tp ranks (all-gather + reduce-scatter in place
-                # of each all-reduce, the same bytes)
-                dp = n // t
-                return GroupJob("text", dp=dp, inner=t, inner_kind="tp" if t > 1 else "none",
-                                zero=1 if dp > 1 else 0, sequence_parallel=t > 1, **b)
-
-            def vision(m: int, s: int, kind: str = "sp", b: dict = b) -> GroupJob:
-                dp = m // s
-                return GroupJob("vision", dp=dp, inner=s, inner_kind=kind if s > 1 else "none",
-                                zero=1 if dp * (s if kind == "sp" else 1) > 1 else 0, **b)
-
-            if "zero3" in strategies and gpus > 1:
-                rows.append(Row("zero3", T, ac, {"vision": GroupJob("vision", dp=gpus, zero=3, **b),
-                                                 "text": GroupJob("text", dp=gpus, zero=3, **b)}))
-            if "uniform-tp" in strategies:
-                rows.append(Row("uniform-tp", T, ac, {"vision": vision(gpus, tp, "tp"), "text": text(gpus, tp)}))
-            sps = [s for s in _divisors(gpus, 16) if heads % s == 0 and s in (1, 2, 4, 8, 16)]
-            if "dhp-collocated" in strategies:
-                for s in sps:
-                    rows.append(Row("dhp-collocated", T, ac, {"vision": vision(gpus, s), "text": text(gpus, text_tp)}))
-            if "dhp-disaggregated" in strategies and gpus > 1:
-                for m in sorted({max(1, gpus // 8), max(1, gpus // 4), max(1, gpus // 2)}):
-                    n = gpus - m
-                    t = max([t for t in _divisors(n, 8) if kv % t == 0])
-                    for s in [s for s in sps if m % s == 0]:
-                        rows.append(Row("dhp-disaggregated", T, ac, {"vision": vision(m, s), "text": text(n, t)},
-                                        placement="disaggregated"))
+            base = dict(media=media_of(tokens), text_tokens=text_tokens, micro_batch_size=mbs, device=device,
+                        precision=precision, activation_checkpointing=ac)
+            jobs = _Jobs(family, model_cfg, base)
+            new = [*_zero3(jobs, gpus, strategies), *_uniform_tp(jobs, gpus, strategies),
+                   *_collocated(jobs, gpus, strategies), *_disaggregated(jobs, gpus, strategies)]
+            rows += [replace(r, media=media_of(tokens), ac=ac, tokens_per_sample=per_sample) for r in new]
     return rows
 
 
-def _run(args: tuple[GroupJob, Any]) -> GroupResult:
+def _row(strategy: str, jobs: dict[str, GroupJob], placement: str = "collocated") -> Row:
+    return Row(strategy, (), False, jobs, placement=placement)
+
+
+def _zero3(j: _Jobs, gpus: int, strategies: tuple[str, ...]) -> list[Row]:
+    if "zero3" not in strategies or gpus <= 1:
+        return []
+    return [_row("zero3", {m.name: GroupJob(m.name, dp=gpus, zero=3, **j.base) for m in j.family.modules})]
+
+
+def _uniform_tp(j: _Jobs, gpus: int, strategies: tuple[str, ...]) -> list[Row]:
+    """One TP degree for every module that has TP, dividing what each needs divided (heads, the MLP width...)."""
+    if "uniform-tp" not in strategies:
+        return []
+    with_tp = [m for m in j.family.modules if "tp" in m.inner]
+    tp = max(t for t in _divisors(gpus, MAX_TP) if all(_fits(m, j.model_cfg, tp=t) for m in with_tp))
+    jobs = {e.name: j.encoder(e.name, gpus, tp if "tp" in e.inner else 1, "tp") for e in j.family.encoders}
+    lang = j.family.language
+    jobs[lang.name] = j.language(gpus, tp if "tp" in lang.inner else 1)
+    return [_row("uniform-tp", jobs)]
+
+
+def _collocated(j: _Jobs, gpus: int, strategies: tuple[str, ...]) -> list[Row]:
+    """Every combination of the encoders' SP degrees, the language model at its own TP, on all GPUs."""
+    if "dhp-collocated" not in strategies:
+        return []
+    encs = j.family.encoders
+    lang = j.language(gpus, j.text_tp(gpus))
+    rows = []
+    for degrees in itertools.product(*(j.sp_degrees(e, gpus) for e in encs)):
+        jobs = {e.name: j.encoder(e.name, gpus, s) for e, s in zip(encs, degrees, strict=True)}
+        rows.append(_row("dhp-collocated", jobs | {lang.module: lang}))
+    return rows
+
+
+def _splits(gpus: int, encoders: int) -> list[tuple[int, ...]]:
+    """GPUs per encoder (each an eighth, a quarter or half of them), leaving at least one for the language model."""
+    sizes = sorted({max(1, gpus // share) for share in (8, 4, 2)})  # an eighth, a quarter, half of the GPUs
+    return [s for s in itertools.product(sizes, repeat=encoders) if sum(s) < gpus]
+
+
+def _disaggregated(j: _Jobs, gpus: int, strategies: tuple[str, ...]) -> list[Row]:
+    if "dhp-disaggregated" not in strategies or gpus <= 1:
+        return []
+    encs = j.family.encoders
+    rows = []
+    for split in _splits(gpus, len(encs)):
+        n = gpus - sum(split)
+        lang = j.language(n, j.text_tp(n))
+        for degrees in itertools.product(*(j.sp_degrees(e, m) for e, m in zip(encs, split, strict=True))):
+            jobs = {e.name: j.encoder(e.name, m, s) for e, m, s in zip(encs, split, degrees, strict=True)}
+            rows.append(_row("dhp-disaggregated", jobs | {lang.module: lang}, placement="disaggregated"))
+    return rows
+
+
+def _run(args: tuple[GroupJob, Any, Any]) -> GroupResult:
+    from dhp.models.registry import get_family
     from dhp.plan.measure import measure_model
 
-    job, model_cfg = args
-    return measure_model(job, model_cfg)
+    job, model_cfg, family = args
+    return measure_model(job, model_cfg, get_family(family) if isinstance(family, str) else family)
+
+
+def family_ref(family: Any) -> str | None:
+    """A name that ``get_family`` resolves to ``family`` in a fresh process (a pool's worker): its registry name,
+    or ``module:ATTR`` of the module attribute that holds it; None when there is none."""
+    import sys
+
+    from dhp.models.registry import UnknownFamily, get_family
+
+    try:
+        if get_family(family.name) is family:
+            return family.name
+    except UnknownFamily:
+        pass
+    module = type(family).__module__
+    for attr, value in vars(sys.modules.get(module, object)).items():
+        if value is family:
+            return f"{module}:{attr}"
+    return None
 
 
 def _reduce_size(job: GroupJob) -> int:
     return job.dp * (job.inner if job.inner_kind == "sp" else 1)
 
 
-def canonical(job: GroupJob) -> GroupJob:
+def canonical(job: GroupJob, family: Any = None) -> GroupJob:
     """The job whose fake run stands for ``job``. Under ZeRO 0/1 a rank's activations, FLOPs, collective
     payloads and gradients do not depend on the number of data-parallel replicas; only ZeRO-1's share of the
     optimizer state does (``8/d`` bytes per parameter, ``docs/memory.md``). So every dp >= 2 is run as dp 2
     (dp 1 under SP, whose reduce group is already dp x sp) and the state rescaled (``for_reduce_size``);
-    ZeRO-3 (FSDP2) is run at its own size."""
+    ZeRO-3 (FSDP2) is run at its own size. An encoder's run reads only its own media: the other encoders'
+    sizes and the text tokens are dropped from its key."""
+    family = family_of(family)
+    if job.module != family.language.name:
+        job = replace(job, media=tuple((k, v) for k, v in job.media if k == job.module), text_tokens=0)
     if job.zero == 3 or _reduce_size(job) <= 1:
         return job
     return replace(job, dp=1 if job.inner_kind == "sp" else 2)
@@ -159,25 +266,33 @@ def for_reduce_size(r: GroupResult, measured: int, d: int) -> GroupResult:
     return out
 
 
-def measure_all(jobs: list[GroupJob], model_cfg: Any, workers: int | None = None) -> dict[GroupJob, GroupResult]:
+def measure_all(jobs: list[GroupJob], model_cfg: Any, workers: int | None = None,
+                family: Any = None) -> dict[GroupJob, GroupResult]:
     """Every distinct job's ``canonical`` stand-in once. ``workers`` <= 1: in this process, one after
     another (a run's figures do not depend on what ran before it: ``measure._untracked_sharding_propagation``);
     more: a pool of that many processes, each running many jobs (default: the CPU count, at most 4, for
     more than a handful of runs)."""
+    family = family_of(family)
     want = list(dict.fromkeys(jobs))
-    uniq = list(dict.fromkeys(canonical(j) for j in want))
+    uniq = list(dict.fromkeys(canonical(j, family) for j in want))
     if workers is None:
         workers = max(1, min(4, os.cpu_count() or 1)) if len(uniq) > 6 else 1
-    if workers <= 1:
-        got = {j: _run((j, model_cfg)) for j in uniq}
+    ref = family_ref(family)
+    if workers <= 1 or ref is None:  # (a family no fresh process can find runs here)
+        got = {j: _run((j, model_cfg, family)) for j in uniq}
     else:
         import multiprocessing as mp
 
-        # the deepest (text) runs first, so that the pool's last jobs are short
-        order = sorted(uniq, key=lambda j: (j.module != "text", -j.vision_tokens))
-        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
-            got = dict(zip(order, pool.map(_run, [(j, model_cfg) for j in order]), strict=True))
-    return {j: for_reduce_size(got[canonical(j)], _reduce_size(canonical(j)), _reduce_size(j)) for j in want}
+        # the language model's (deepest) runs first, then the largest media, so that the pool's last jobs are short
+        order = sorted(uniq, key=lambda j: (j.module != family.language.name, -sum(v for _, v in j.media)))
+        from dhp.lifetime import exit_with_parent
+
+        # each worker ends with this process: a killed `dhp plan` leaves no orphan measuring on
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
+                                 initializer=exit_with_parent) as pool:
+            got = dict(zip(order, pool.map(_run, [(j, model_cfg, ref) for j in order]), strict=True))
+    return {j: for_reduce_size(got[canonical(j, family)], _reduce_size(canonical(j, family)), _reduce_size(j))
+            for j in want}
 
 
 # ---- time -----------------------------------------------------------------------------------------------------
@@ -212,36 +327,44 @@ def group_time(job: GroupJob, r: GroupResult, dev: Device, samples: int) -> tupl
 
 
 def evaluate(row: Row, results: dict[GroupJob, GroupResult], dev: Device, gpus: int, limit_gb: float,
-             text_tokens: int) -> Row:
-    samples = gpus * row.jobs["text"].micro_batch_size
+             text_tokens: int, family: Any = None, model_cfg: Any = None) -> Row:
+    """The row's step time, throughput and per-group peaks (a group's own peak, plus on a collocated GPU what
+    the other groups hold meanwhile). ``model_cfg`` is needed only for a row without ``tokens_per_sample``."""
+    family = family_of(family)
+    language = family.language.name
+    samples = gpus * next(iter(row.jobs.values())).micro_batch_size
     res = {k: results[j] for k, j in row.jobs.items()}
     times = {k: group_time(row.jobs[k], res[k], dev, samples) for k in row.jobs}
     if row.placement == "collocated":
         step = sum(t for t, _ in times.values())
     else:
         step = max(t for t, _ in times.values()) + min(mb for _, mb in times.values())
-    resident = {k: r.weights + r.grads + r.optimizer + (r.retained if k == "vision" else 0) for k, r in res.items()}
+    resident = {k: r.weights + r.grads + r.optimizer + (r.retained if k != language else 0) for k, r in res.items()}
     groups = {}
     for k, r in res.items():
         peak = r.peak
         if row.placement == "collocated":
             peak += sum(v for o, v in resident.items() if o != k)
-        elif k == "vision":
+        elif k != language:
             peak += r.retained  # runtime.encoders_ahead=1: one more micro-batch's activations held
         groups[k] = {"ranks": row.jobs[k].ranks, "peak_gb": peak / GiB, "weights_gb": r.weights / GiB,
                      "grads_gb": r.grads / GiB, "optimizer_gb": r.optimizer / GiB,
                      "activations_gb": r.activations / GiB}
-    grid = image_grid(row.vision_tokens)
-    tokens = samples * (text_tokens + grid[1] * grid[2] // 4)
+    per_sample = row.tokens_per_sample
+    if not per_sample:
+        if model_cfg is None:
+            raise ValueError(f"evaluate: row {row.strategy} has no tokens_per_sample; give model_cfg to count them")
+        per_sample = sample_tokens(family, model_cfg, as_media(row.media, family), text_tokens)
+    tokens = samples * per_sample
     return replace(row, groups=groups, fits=all(g["peak_gb"] <= limit_gb for g in groups.values()),
-                   step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0)
+                   step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, tokens_per_sample=per_sample)
 
 
 def best(rows: list[Row]) -> list[Row]:
-    """One row per (strategy, vision tokens, checkpointing): the fastest that fits, else the smallest peak."""
+    """One row per (strategy, media, checkpointing): the fastest that fits, else the smallest peak."""
     out: dict[tuple, Row] = {}
     for r in rows:
-        key = (r.strategy, r.vision_tokens, r.ac)
+        key = (r.strategy, tuple(sorted(r.media_tokens().items())), r.ac)
         cur = out.get(key)
         score = (r.fits, r.tokens_per_s if r.fits else -max(g["peak_gb"] for g in r.groups.values()))
         if cur is None or score > (cur.fits, cur.tokens_per_s if cur.fits else
@@ -250,11 +373,76 @@ def best(rows: list[Row]) -> list[Row]:
     return list(out.values())
 
 
-def plan(model_cfg: Any, gpus: int, dev: Device, limit_gb: float, vision_tokens: list[int], text_tokens: int,
+def plan(model_cfg: Any, gpus: int, dev: Device, limit_gb: float, media: list, text_tokens: int,
          mbs: int, strategies: tuple[str, ...] = STRATEGIES, workers: int | None = None,
-         precision: str = "fp32_master") -> list[Row]:
-    """Every candidate row measured and priced; ``precision`` (``train.precision``) is what every group's
-    weights, gradients and optimizer state are held in."""
-    rows = candidate_rows(model_cfg, gpus, vision_tokens, text_tokens, mbs, strategies, precision=precision)
-    results = measure_all([j for r in rows for j in r.jobs.values()], model_cfg, workers)
-    return best([evaluate(r, results, dev, gpus, limit_gb, text_tokens) for r in rows])
+         precision: str = "fp32_master", family: Any = None) -> list[Row]:
+    """Every candidate row measured and priced; ``media``: the sample sizes, ``{encoder: tokens}`` each;
+    ``precision`` (``train.precision``) is what every group's weights, gradients and optimizer state are held
+    in."""
+    family = family_of(family)
+    rows = candidate_rows(model_cfg, gpus, media, text_tokens, mbs, strategies, precision=precision, family=family)
+    results = measure_all([j for r in rows for j in r.jobs.values()], model_cfg, workers, family)
+    return best([evaluate(r, results, dev, gpus, limit_gb, text_tokens, family) for r in rows])
+
+
+# ---- a training config's layout, and the largest sample it fits ----------------------------------------------
+
+
+def config_jobs(cfg: Any, family: Any, media: dict[str, int], text_tokens: int, device: str = "cpu",
+                micro_batch_size: int = 1) -> dict[str, GroupJob]:
+    """The planner's jobs (one per module group, in the family's order) of a training config's layout
+    (``cfg.modules``), each on samples of ``media`` and ``text_tokens``."""
+    jobs = {}
+    for name in [m for m in family.module_names if m in cfg.modules]:
+        m = cfg.module(name)
+        p = m.parallel
+        if p.sp > 1 and p.tp > 1:
+            raise ValueError(f"{name}.parallel has sp {p.sp} and tp {p.tp}; one of them")
+        inner, kind = (p.sp, "sp") if p.sp > 1 else (p.tp, "tp") if p.tp > 1 else (1, "none")
+        jobs[name] = GroupJob(name, dp=p.dp, inner=inner, inner_kind=kind, zero=p.zero,
+                              activation_checkpointing=m.activation_checkpointing,
+                              sequence_parallel=p.sequence_parallel, media=media_of(media), text_tokens=text_tokens,
+                              micro_batch_size=micro_batch_size, device=device, dtype=cfg.train.dtype,
+                              optimizer=cfg.train.optimizer, precision=cfg.train.precision,
+                              loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+    return jobs
+
+
+def largest_fitting(jobs: dict[str, GroupJob], model_cfg: Any, family: Any, encoder: str, budget: int, start: int,
+                    stop: int, step: int, placement: str = "collocated", media_per_token: int = 1,
+                    name: str = "layout") -> dict[str, dict[str, Any]]:
+    """The largest ``encoder`` media of a layout whose every group fits ``budget`` bytes per rank, by the planner
+    (``search.grow`` over its fake runs, sizes in the language model's tokens of that encoder, ``media_per_token``
+    of its own input each), two ways: ``one_micro_batch``, the fake run's per-rank peak itself (the accounting of
+    one measured training step), and ``planner``, ``evaluate``'s verdict for this placement (a disaggregated
+    encoder also holds one micro-batch ahead, a collocated rank the other groups' state)."""
+    from dhp.observe.devices import get_device
+    from dhp.plan.search import grow
+
+    gpus = sum(j.ranks for j in jobs.values())
+    cache: dict[int, dict[str, dict[str, int]]] = {}
+
+    def peaks(tokens: int) -> dict[str, dict[str, int]]:
+        """{"one_micro_batch": {group: bytes}, "planner": {group: bytes}} at this size (fake runs once)."""
+        if tokens not in cache:
+            js = {m: replace(j, media=media_of({encoder: tokens * media_per_token})) for m, j in jobs.items()}
+            res = measure_all([js[encoder]], model_cfg, workers=1, family=family)
+            if res[js[encoder]].peak > budget:  # fails either way (the verdict only adds to a group's peak)
+                cache[tokens] = {k: {encoder: res[js[encoder]].peak} for k in ("one_micro_batch", "planner")}
+                return cache[tokens]
+            res |= measure_all([j for m, j in js.items() if m != encoder], model_cfg, workers=1, family=family)
+            r = Row(name, media_of({encoder: tokens * media_per_token}), js[encoder].activation_checkpointing, js,
+                    placement=placement)
+            r = evaluate(r, res, get_device("h100"), gpus, budget / GiB, next(iter(js.values())).text_tokens,
+                         family, model_cfg)  # the device: time only
+            cache[tokens] = {"one_micro_batch": {m: res[j].peak for m, j in js.items()},
+                             "planner": {m: round(g["peak_gb"] * GiB) for m, g in r.groups.items()}}
+        return cache[tokens]
+
+    out = {}
+    for kind in ("one_micro_batch", "planner"):
+        g = grow(lambda n, kind=kind: max(peaks(n)[kind].values()), budget, start, stop, step)
+        at = peaks(g.largest)[kind] if g.largest is not None else {}
+        out[kind] = {"tokens": g.largest, "first_failed": g.first_failed,
+                     "peak_gb": {m: b / GiB for m, b in at.items()}}
+    return out

@@ -1,7 +1,8 @@
 """The Ray runtime of dhp: placement, worker groups with their process groups, dispatch, tensor transport.
 
-Model-agnostic: a model family plugs in worker classes (subclasses of
-``WorkerBase``); nothing here knows what a vision encoder is.
+Model-agnostic: the Ray backend (``dhp.backends``) plugs in its worker classes (subclasses of ``WorkerBase``,
+one per kind of module engine) and names each group after its module; nothing here knows what a vision
+encoder is, nor which model family runs.
 
 Files, one concern each: ``cluster`` (start/join Ray, loopback binding, backend
 and transport choice), ``errors`` (``WorkerError``), ``dispatch`` (how calls
@@ -16,9 +17,16 @@ from dhp.runtime.binding import BoundMethod, Pending
 from dhp.runtime.cluster import choose_backend, resolve_transport, start_ray
 from dhp.runtime.dispatch import Broadcast, Collect, DispatchError, Mode, Split, dispatch, produces_tensors
 from dhp.runtime.errors import WorkerError
-from dhp.runtime.placement import LayoutError, PlacementPlan, create_placement_group, plan_placement
+from dhp.runtime.placement import (
+    GroupResources,
+    LayoutError,
+    PlacementPlan,
+    create_placement_group,
+    create_placement_groups,
+    plan_placement,
+)
 from dhp.runtime.process_groups import DistributedSetup, init_process_groups
-from dhp.runtime.runtime import ModuleSpec, Runtime
+from dhp.runtime.runtime import GroupSpec, Runtime
 from dhp.runtime.worker_base import WorkerBase
 from dhp.runtime.worker_group import WorkerGroup
 
@@ -28,9 +36,10 @@ __all__ = [
     "Collect",
     "DispatchError",
     "DistributedSetup",
+    "GroupResources",
     "LayoutError",
     "Mode",
-    "ModuleSpec",
+    "GroupSpec",
     "Pending",
     "PlacementPlan",
     "Runtime",
@@ -40,6 +49,7 @@ __all__ = [
     "WorkerGroup",
     "choose_backend",
     "create_placement_group",
+    "create_placement_groups",
     "dispatch",
     "init_process_groups",
     "plan_placement",

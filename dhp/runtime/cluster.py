@@ -74,6 +74,18 @@ def init_local_ray(num_cpus: int | None = None, **init_kwargs: Any) -> str:
     return node_ip
 
 
+# The environment that tunes the collectives: set on the driver, it reaches every worker on every node (a worker
+# on another node does not inherit the driver's environment; Ray merges these into the job's env_vars).
+PASSTHROUGH_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_CPP_LOG_LEVEL", "FI_", "UCX_",
+                        "CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The driver's NCCL/gloo/torch.distributed variables, for every worker's ``runtime_env``."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if k.startswith(PASSTHROUGH_PREFIXES)}
+
+
 def node_ip_address() -> str:
     """The IP address Ray uses for this node (127.0.0.1 for a local Ray started by ``init_local_ray``)."""
     return ray.util.get_node_ip_address()
@@ -156,4 +168,5 @@ __all__ = [
     "node_ip_address",
     "resolve_transport",
     "start_ray",
+    "worker_env",
 ]

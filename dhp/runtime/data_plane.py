@@ -19,6 +19,12 @@ they go rank to rank instead:
   rows per sample, width and dtype, which the sender reported when its forward
   finished. No tensor passes through the driver, and no receive needs a host
   read of a device value.
+- Under the language model's Megatron sequence parallelism each TP rank keeps
+  only its slice of the packed sequence (``dhp.engine.sequence_slice``) from the first
+  layer on, so it receives only the placeholder rows that fall in that slice
+  (``rows_by_receiver``: the sender knows its samples' placeholder positions and
+  the text micro-batch's sample lengths, host metadata), 1/tp of its replica's
+  rows, and sends back the gradients of exactly those rows.
 - ``cuda_ipc`` (``share_cuda``/``open_cuda``): workers that share one GPU
   (collocated, where NCCL cannot join two ranks of a device) hand each other
   CUDA IPC handles through Ray: ``torch.multiprocessing``'s own reduction, which
@@ -33,7 +39,7 @@ group's timeout (``runtime.collective_timeout_s``) and then fails, naming the pe
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -56,10 +62,25 @@ class Incoming:
     width: int
     dtype: str
     reply_to: tuple[int, ...] = ()  # global ranks the gradients of these rows go to (empty: ``peer``)
+    # each receiving rank's own rows, where the ranks of a replica get different rows (Megatron SP: their
+    # sequence slices): ((global rank, rows)...); empty: every rank of the replica receives ``rows``
+    parts: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
 
     @property
     def gradient_peers(self) -> tuple[int, ...]:
         return self.reply_to or (self.peer,)
+
+    @property
+    def sliced(self) -> bool:
+        """Whether each receiving rank gets only its own rows (and sends back their gradients itself)."""
+        return bool(self.parts)
+
+    def for_receiver(self, rank: int) -> Incoming | None:
+        """What global rank ``rank`` receives of this: itself (no ``parts``), its own part, or None (nothing)."""
+        if not self.parts:
+            return self
+        rows = dict(self.parts).get(rank, ())
+        return replace(self, rows=rows) if rows else None
 
     @property
     def n_rows(self) -> int:
@@ -150,6 +171,37 @@ def split_rows(counts: tuple[tuple[int, int], ...], index: torch.Tensor,
     return {sid: (i, r) for (sid, _), i, r in zip(counts, index.split(sizes), rows.split(sizes), strict=True)}
 
 
+# ---- Megatron sequence parallelism: each text TP rank receives the rows of its own sequence slice -------------
+
+def rows_by_receiver(pieces: dict[int, tuple[torch.Tensor, torch.Tensor]], sample_ids: list[int],
+                     offsets: dict[int, int], slots: dict[int, torch.Tensor], receivers: list[tuple[int, int, int]],
+                     device: torch.device) -> list[tuple[int, tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor]]:
+    """What each TP rank of a text replica under Megatron SP receives of this rank's rows of ``sample_ids``:
+    (receiver, ((sid, rows)...), token index, rows) for every receiver that gets some, the rows of its
+    sequence slice only, in the order of ``sample_ids`` and of each sample's token index here.
+
+    ``pieces``: {sid: (token index (host), rows)} as ``pack_rows`` takes them; ``offsets[sid]``: where sample
+    ``sid`` starts in the text replica's packed sequence; ``slots[sid]``: its placeholder positions in
+    token-index order (``dhp.engine.slot_positions``); ``receivers``: (global rank, start, end) of each TP rank's
+    slice of that sequence (``dhp.engine.sequence_slice``). Host metadata only: the selection is made on the
+    host, the rows taken on the device with one ``index_select`` per sample and receiver."""
+    out = []
+    held = [i for i in sample_ids if i in pieces and len(pieces[i][0])]
+    for receiver, lo, hi in receivers:
+        counts, index, rows = [], [], []
+        for sid in held:
+            token_index, emb = pieces[sid]
+            pos = offsets[sid] + slots[sid][token_index]
+            mine = ((pos >= lo) & (pos < hi)).nonzero().flatten()
+            if len(mine):
+                counts.append((sid, len(mine)))
+                index.append(token_index[mine])
+                rows.append(emb.index_select(0, mine.to(emb.device)))
+        if counts:
+            out.append((receiver, tuple(counts), torch.cat(index).to(device), torch.cat(rows)))
+    return out
+
+
 # ---- CUDA IPC (workers sharing one GPU) --------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -190,4 +242,4 @@ def open_cuda(obj: Any) -> Any:
 
 
 __all__ = ["DIRECTIONS", "Incoming", "P2PChannel", "SharedCuda", "dtype_name", "open_cuda", "pack_rows",
-           "share_cuda", "split_rows"]
+           "rows_by_receiver", "share_cuda", "split_rows"]

@@ -30,6 +30,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dhp.runtime.binding import BoundMethod, Pending
+from dhp.runtime.cluster import worker_env
 from dhp.runtime.dispatch import is_tensor_producer, spec_of, split_args
 from dhp.runtime.errors import WorkerError
 from dhp.runtime.placement import ActorResources, Slot
@@ -119,6 +120,9 @@ class WorkerGroup:
             "num_gpus": res.num_gpus,
             "name": f"dhp-{self.run_id}-{self.module}-{rank}",
         }
+        env = worker_env()
+        if env:  # NCCL/gloo settings of the driver reach workers on every node
+            options["runtime_env"] = {"env_vars": env}
         if pg is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundle_of[(self.module, rank)]

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from dhp.bench import default_layouts, layout_config, layout_jobs
+from dhp.bench import default_layouts, layout_config, layout_jobs, media_per_token
 from dhp.cli import main
 from dhp.inputs import resolve_inputs
-from dhp.plan.measure import GiB, GroupJob, measure
+from dhp.plan.measure import GiB, GroupJob, measure, media_of
 from tests.spawn import run_distributed
 
 BUDGET_GB = 0.0625  # 64 MiB: the tiny encoder's step crosses it at a few hundred vision tokens
@@ -22,10 +22,10 @@ FLAGS = ["--max-vision-tokens", "--memory-budget-gb", str(BUDGET_GB), "--vision-
          "--vision-tokens-max", "2048"]
 
 
-def _remeasure(rank: int, world: int, job: GroupJob, model_cfg: Any, sizes: list[int]) -> list[int]:
-    """The group's per-rank tracked peak at each size (vision tokens), measured afresh on real gloo ranks."""
-    unit = model_cfg.vision.merge_unit
-    return [measure(replace(job, vision_tokens=n * unit), model_cfg, fake=False).peak for n in sizes]
+def _remeasure(rank: int, world: int, job: GroupJob, model_cfg: Any, sizes: list[int], unit: int) -> list[int]:
+    """The group's per-rank tracked peak at each size (vision tokens, ``unit`` patches each), measured afresh on
+    real gloo ranks."""
+    return [measure(replace(job, media=media_of({"vision": n * unit})), model_cfg, fake=False).peak for n in sizes]
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +59,12 @@ def test_largest_fits_and_next_does_not(searched) -> None:
 
     # fresh measurements of the binding (vision) group of the SP layout at the answer and one step above
     cfg = layout_config(None, overrides, default_layouts(4)["dhp"], "dhp", out, 1, 0)
-    model_cfg = resolve_inputs(cfg).model_cfg
+    inputs = resolve_inputs(cfg)
+    model_cfg, unit = inputs.model_cfg, media_per_token(inputs.family, inputs.model_cfg)
+    assert unit == 4  # Qwen2.5-VL: 2x2 patches per merged token, read off the family's synthetic sample
     r = doc["layouts"]["dhp"]
     peaks = run_distributed(_remeasure, 2, layout_jobs(cfg)["vision"], model_cfg,
-                            [r["vision_tokens"], r["first_failed"]], timeout_s=240)
+                            [r["vision_tokens"], r["first_failed"]], unit, timeout_s=240)
     # a group's peak is its largest rank's (as the bench takes it): the SP ranks' peaks need not be equal
     fits, fails = (max(rank[i] for rank in peaks) for i in range(2))
     assert fits <= budget < fails

@@ -22,9 +22,9 @@ from dhp.runtime import (
     Broadcast,
     Collect,
     DispatchError,
+    GroupSpec,
     LayoutError,
     Mode,
-    ModuleSpec,
     Pending,
     Runtime,
     Split,
@@ -120,8 +120,8 @@ class ToyWorker(WorkerBase):
         return t.item()
 
 
-def _spec(n: int, replica_size: int = 1) -> ModuleSpec:
-    return ModuleSpec(ToyWorker, n, {"seed": 0}, replica_size=replica_size)
+def _spec(n: int, replica_size: int = 1) -> GroupSpec:
+    return GroupSpec(ToyWorker, n, {"seed": 0}, replica_size=replica_size)
 
 
 @pytest.fixture(scope="module")
@@ -352,7 +352,7 @@ def test_three_groups_replicas_split_and_collect(ray_cluster: dict) -> None:
 
 def test_replica_size_must_divide_the_ranks() -> None:
     with pytest.raises(ValueError, match="n_ranks 3 is not a multiple of replica_size 2"):
-        ModuleSpec(ToyWorker, 3, replica_size=2)
+        GroupSpec(ToyWorker, 3, replica_size=2)
     with pytest.raises(ValueError, match="replica_size must be an int >= 1"):
-        ModuleSpec(ToyWorker, 2, replica_size=0)
-    assert ModuleSpec(ToyWorker, 2, None).kwargs == {}
+        GroupSpec(ToyWorker, 2, replica_size=0)
+    assert GroupSpec(ToyWorker, 2, None).kwargs == {}

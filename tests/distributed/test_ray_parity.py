@@ -9,9 +9,13 @@ also runs AdamW and compares its losses.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from dhp import checkpoint
 from dhp.backends import make_backend
 from dhp.config import load_config
 from dhp.inputs import prepare
@@ -20,7 +24,9 @@ STEPS = 3
 SGD = ["train.optimizer=sgd", "train.lr=0.05", "train.momentum=0.9"]
 
 
-def run(overrides, backend_name):
+def run(overrides, backend_name, export_to: Path | None = None):
+    """(step stats, every rank's weights, the initial weights on the local backend). ``export_to``: also save a
+    checkpoint after the last step (every group its own shards) and export it there as an HF directory."""
     cfg = load_config(None, overrides + [f"runtime.backend={backend_name}", "runtime.cpus_per_worker=0.5"])
     run_ = prepare(cfg)
     planner = run_.planner
@@ -28,6 +34,11 @@ def run(overrides, backend_name):
     try:
         initial = backend.state_dict() if backend_name == "local" else None
         stats = [backend.run_step(planner.plan(s)) for s in range(STEPS)]
+        if export_to is not None:
+            ckpt = export_to / "checkpoint"
+            backend.save_checkpoint(ckpt)
+            checkpoint.finish(ckpt, {"step": STEPS})
+            checkpoint.export_hf(ckpt, export_to / "hf", run_.inputs.family, run_.inputs.model_cfg)
         return stats, backend.rank_state_dicts(), initial
     finally:
         backend.shutdown()
@@ -125,7 +136,6 @@ def test_adamw_losses_match_reference(ray_cluster, demo_overrides_module):
 HYBRID = {
     "vision_sp2": ["vision.parallel.sp=2"],
     "vision_sp2_dp2": ["vision.parallel.sp=2", "vision.parallel.dp=2"],
-    "text_tp2": ["text.parallel.tp=2"],
     "text_tp2_dp2": ["text.parallel.tp=2", "text.parallel.dp=2"],
     "sp2_tp2_collocated": ["vision.parallel.sp=2", "text.parallel.tp=2", "runtime.placement=collocated"],
     "sp2_tp2_disaggregated": ["vision.parallel.sp=2", "text.parallel.tp=2", "runtime.placement=disaggregated"],
@@ -154,6 +164,30 @@ HYBRID = {
 def test_hybrid_layouts_match_reference(ray_cluster, reference, demo_overrides_module, name):
     over = demo_overrides_module + SGD + ["runtime.placement=disaggregated"] + HYBRID[name]
     assert_same(run(over, "ray"), reference)
+
+
+def test_text_tp2_matches_reference_and_exports_hf_q_k_v(ray_cluster, reference, demo_overrides_module, tmp_path):
+    """Text TP 2 (each rank its own q, k and v heads of the fused GQA qkv_proj) equals the reference, and the HF
+    export of its checkpoint holds q_proj, k_proj and v_proj (weights and biases) equal to the reference's."""
+    from dhp.models.qwen2_5_vl import read_hf_config
+    from dhp.models.qwen2_5_vl.text import text_qkv_sizes
+
+    result = run(demo_overrides_module + SGD + ["text.parallel.tp=2"], "ray", export_to=tmp_path)
+    assert_same(result, reference)
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    ref = prefixed(reference[1])
+    cfg = read_hf_config(tmp_path / "hf")
+    sizes = list(text_qkv_sizes(cfg.text))
+    layers = 0
+    for key, fused in ref.items():
+        if ".self_attn.qkv_proj." not in key:
+            continue
+        hf = key.replace("language.", "model.", 1).replace("qkv_proj", "{}_proj")
+        for part, want in zip("qkv", fused.split(sizes), strict=True):
+            assert (exported[hf.format(part)] - want).abs().max().item() < 1e-5, hf.format(part)
+        layers += 1
+    assert layers == 2 * cfg.text.num_hidden_layers  # weight and bias of every layer
+    assert not any("qkv_proj" in k for k in exported)
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ def test_worker_failure_names_module_and_rank_and_cleans_up(ray_cluster, demo_ov
     costs = module_costs(inputs.family, inputs.model_cfg, ds)
     plan = BatchPlanner(costs, {"vision": 2, "text": 1}, 8, 4).plan(0)
     backend = RayBackend(inputs, spec)
-    victim = next(i for i in plan.sample_ids if ds.get(i, pixels=False).num_patches)
+    victim = next(i for i in plan.sample_ids if ds.get(i, pixels=False).image_grid_thw.shape[0])
     image = ds._records[ds.source_index(victim)].images[0]
     saved = image.read_bytes()
     try:

@@ -38,6 +38,7 @@ def test_every_data_form_gives_the_same_sample(demo_data, tmp_path):
     from dhp.config import DataConfig
     from dhp.data.llava import SFTDataset
     from dhp.data.tokenizer import Tokenizer
+    from dhp.models.qwen2_5_vl.processor import Qwen2_5_VLProcessor
 
     samples = [json.loads(b) for b in _blocks("json", "Data forms")]
     assert len(samples) == 4
@@ -45,7 +46,8 @@ def test_every_data_form_gives_the_same_sample(demo_data, tmp_path):
     Image.fromarray(np.full((56, 56), 200, dtype=np.uint8), "L").save(tmp_path / "images" / "0.png")
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(s) + "\n" for s in samples))
-    ds = SFTDataset(DataConfig(path=str(path)), Tokenizer(demo_data.tokenizer))
+    cfg, tok = DataConfig(path=str(path)), Tokenizer(demo_data.tokenizer)
+    ds = SFTDataset(cfg, tok, processor=Qwen2_5_VLProcessor(cfg, tok))
     assert len(ds) == 4 and ds.num_skipped == 0
     first = ds[0]
     for i in range(1, 4):

@@ -45,7 +45,9 @@ def hf_checkpoint(demo_data, tmp_path_factory) -> Path:
     the demo's tokenizer (tokenizer.json, tokenizer_config.json)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from dhp.data.tokenizer import QWEN2_5_VL_CHAT_TEMPLATE, Tokenizer
+    from dhp.data.demo import QWEN2_5_VL_CHAT_TEMPLATE
+    from dhp.data.tokenizer import Tokenizer
+    from dhp.models.qwen2_5_vl.processor import vision_token_ids
 
     tok = Tokenizer(demo_data.tokenizer)
     end, im_end = tok.token_to_id("<|endoftext|>"), tok.im_end_id
@@ -56,7 +58,7 @@ def hf_checkpoint(demo_data, tmp_path_factory) -> Path:
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4},
                          bos_token_id=end, eos_token_id=im_end, pad_token_id=end),
-        **tok.special_token_ids())
+        **vision_token_ids(tok))
     out = tmp_path_factory.mktemp("Qwen2.5-VL-tiny-Instruct")
     torch.manual_seed(0)
     Qwen2_5_VLForConditionalGeneration(cfg).save_pretrained(out)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dhp.models.layers import Segments, packed_attention
+from dhp.ops.attention import Segments, packed_attention
 
 
 def masked_reference(q, k, v, cu, causal):
@@ -82,7 +82,7 @@ def test_segments_host_metadata_equal_the_tensor_boundaries(causal):
 def test_attention_kernel_selection():
     """auto: varlen only for a CUDA tensor in half precision where a kernel is installed (never on the CPU, in
     float32, or in the planner's shape-only run); varlen asked where it cannot run is an error naming the key."""
-    from dhp.models.layers import attention_kernel, varlen_kernel
+    from dhp.ops.attention import attention_kernel, varlen_kernel
 
     cpu = torch.zeros(4, 2, 8)
     assert attention_kernel("auto", cpu) == attention_kernel("sdpa", cpu) == "sdpa"

@@ -12,9 +12,9 @@ from transformers import WhisperFeatureExtractor
 from transformers.audio_utils import mel_filter_bank as hf_mel_filter_bank
 from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import _get_feat_extract_output_lengths
 
-from dhp.data import audio as A
 from dhp.data import dtmf as D
 from dhp.errors import DataError
+from dhp.models.qwen2_5_omni import processor as A
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from dhp.data.batch import IGNORE_INDEX, Sample, pack, shifted_targets
-from dhp.data.mrope import rope_index
 from dhp.models.qwen2_5_vl import build_model
+from dhp.models.qwen2_5_vl.mrope import rope_index
+from dhp.models.qwen2_5_vl.processor import num_image_tokens, num_patches
 from tests.hf_reference import tiny_cfg
 
 CFG = tiny_cfg()
@@ -47,9 +48,34 @@ def test_shifted_targets() -> None:
 
 def test_sample_properties() -> None:
     s = SAMPLES[2]
-    assert s.num_patches == 16 + 60 and s.num_image_tokens == 19
+    assert num_patches(s) == 16 + 60 and num_image_tokens(s) == 19
     assert s.num_tokens == 2 + 3 + 4 + 2 * 2 + 19
-    assert SAMPLES[1].num_patches == 0 and SAMPLES[1].num_image_tokens == 0
+    assert num_patches(SAMPLES[1]) == 0 and num_image_tokens(SAMPLES[1]) == 0
+    assert s.token_counts[CFG.image_token_id] == 19 and s.token_counts[CFG.vision_start_token_id] == 2
+    assert CFG.image_token_id not in SAMPLES[1].token_counts
+    assert sum(s.token_counts.values()) == s.num_tokens
+
+
+def test_sample_media_fields_are_the_processors() -> None:
+    """A sample's media fields are whatever it was given: attributes and ``media`` alike; a missing one is an
+    AttributeError naming the fields there are; the loader's tensor mapping and pickling keep them."""
+    import pickle
+
+    import pytest
+
+    from dhp.data.loader import map_tensors
+
+    s = SAMPLES[0]
+    assert set(s.media) == {"pixel_values", "image_grid_thw"} and s.pixel_values is s.media["pixel_values"]
+    with pytest.raises(AttributeError, match="no field 'audio_features'.*pixel_values, image_grid_thw"):
+        _ = s.audio_features
+    assert getattr(s, "audio_features", None) is None
+    s2 = map_tensors(s, lambda t: t + 0)  # a new sample, new tensors: what pinning and to_device do
+    assert s2 is not s and s2.pixel_values is not s.pixel_values and torch.equal(s2.pixel_values, s.pixel_values)
+    s3 = pickle.loads(pickle.dumps(s))
+    assert torch.equal(s3.pixel_values, s.pixel_values) and torch.equal(s3.input_ids, s.input_ids)
+    s3.pixel_values = torch.zeros(0, 1176)  # setting a media field sets it in ``media``
+    assert s3.media["pixel_values"].shape == (0, 1176) and s.pixel_values.shape[0] == 96
 
 
 def test_pack_layout() -> None:
@@ -58,8 +84,6 @@ def test_pack_layout() -> None:
     assert b.cu_seqlens.tolist() == [0, lens[0], lens[0] + lens[1], sum(lens)]
     assert b.input_ids.shape == (1, sum(lens)) and b.position_ids.shape == (3, 1, sum(lens))
     assert b.sample_ids == [7, 3, 11]
-    assert b.pixel_values.shape == (96 + 76, 1176)
-    assert b.image_grid_thw.tolist() == [[1, 12, 8], [1, 4, 4], [1, 6, 10]]
     for k, start in enumerate(b.cu_seqlens[:-1].tolist()):
         assert b.position_ids[:, 0, start].tolist() == [0, 0, 0]  # positions restart per sample
         end = b.cu_seqlens[k + 1].item()
@@ -74,19 +98,20 @@ def test_packed_loss_equals_sum_of_sample_losses() -> None:
     assert samples[1].labels[0].item() != IGNORE_INDEX
     with torch.no_grad():
         b = pack(samples)
-        packed = model.language.loss_sum(b.input_ids, b.position_ids, b.targets,
-                                         model.visual(b.pixel_values, b.image_grid_thw), b.cu_seqlens)
+        pixels, grids = torch.cat([s.pixel_values for s in samples]), torch.cat([s.image_grid_thw for s in samples])
+        assert pixels.shape == (96 + 76, 1176) and grids.tolist() == [[1, 12, 8], [1, 4, 4], [1, 6, 10]]
+        packed = model.language.loss_sum(b.input_ids, b.position_ids, b.targets, model.visual(pixels, grids),
+                                         b.cu_seqlens)
         singles = []
         for s in samples:
-            embeds = model.visual(s.pixel_values, s.image_grid_thw) if s.num_patches else None
+            embeds = model.visual(s.pixel_values, s.image_grid_thw) if num_patches(s) else None
             singles.append(model.language.loss_sum(s.input_ids[None], s.position_ids[:, None],
                                                    shifted_targets(s.labels)[None], embeds))
     total = torch.stack(singles).sum()
     assert torch.allclose(packed, total, rtol=1e-5, atol=1e-4), (packed.item(), total.item())
     # and it is sensitive to what it should be: without cu_seqlens attention crosses samples
     with torch.no_grad():
-        crossing = model.language.loss_sum(b.input_ids, b.position_ids, b.targets,
-                                           model.visual(b.pixel_values, b.image_grid_thw), None)
+        crossing = model.language.loss_sum(b.input_ids, b.position_ids, b.targets, model.visual(pixels, grids), None)
     assert not torch.allclose(crossing, total, rtol=1e-5, atol=1e-4)
 
 
@@ -100,7 +125,7 @@ def test_batch_meta_is_host_metadata_of_the_packed_row():
     assert meta.cu_seqlens == tuple(b.cu_seqlens.tolist()) and meta.cu_seqlens[-1] == b.num_tokens
     flat = b.input_ids.reshape(-1)
     assert torch.equal(meta.placeholders[CFG.image_token_id], torch.nonzero(flat == CFG.image_token_id).flatten())
-    assert meta.placeholders[CFG.image_token_id].numel() == sum(s.num_image_tokens for s in SAMPLES) == 24 + 4 + 15
+    assert meta.placeholders[CFG.image_token_id].numel() == sum(num_image_tokens(s) for s in SAMPLES) == 24 + 4 + 15
     assert meta.placeholders[CFG.video_token_id].numel() == 0
     assert torch.equal(b.targets.reshape(-1)[meta.label_rows], b.targets[b.targets != IGNORE_INDEX])
     assert meta.num_supervised == b.num_supervised

@@ -12,6 +12,7 @@ import dhp.data.demo as demo
 from dhp.config import DataConfig
 from dhp.data.llava import SFTDataset
 from dhp.data.tokenizer import Tokenizer
+from dhp.models.qwen2_5_vl.processor import Qwen2_5_VLProcessor as VL
 
 N_TRAIN, N_EVAL = 120, 30
 
@@ -77,7 +78,7 @@ def test_variety_and_learnable_answers(built: demo.DemoPaths) -> None:
 def test_loads_cleanly_with_varied_lengths(built: demo.DemoPaths) -> None:
     tok = Tokenizer(built.tokenizer)
     assert tok.vocab_size < 512
-    ds = SFTDataset(DataConfig(), tok, built.train)
+    ds = SFTDataset(DataConfig(), tok, built.train, processor=VL(DataConfig(), tok))
     assert len(ds) == N_TRAIN and ds.num_skipped == 0
     lengths = ds.lengths()
     assert max(lengths) - min(lengths) >= 24 and len(set(lengths)) >= 5  # text-only, singles, pairs, collages
@@ -85,7 +86,7 @@ def test_loads_cleanly_with_varied_lengths(built: demo.DemoPaths) -> None:
     assert sample.num_tokens == lengths[0]
     answer = _items(built.train)[0]["conversations"][1]["value"]
     assert tok.decode([t for t in sample.labels.tolist() if t != -100]) == answer
-    ev = SFTDataset(DataConfig(), tok, built.eval)
+    ev = SFTDataset(DataConfig(), tok, built.eval, processor=VL(DataConfig(), tok))
     assert len(ev) == N_EVAL
 
 

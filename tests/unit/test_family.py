@@ -151,3 +151,45 @@ def test_audio_embeddings_reach_the_loss(audio_overrides):
             backend.encoders[1].module.out.weight.mul_(scale)
         losses.append(backend.run_step(plan).loss)
     assert abs(losses[0] - losses[1]) > 1e-4
+
+
+def test_toy_processor_counts_from_headers_and_names_a_bad_clip(audio_overrides, tmp_path):
+    """The third family's own processor: token counts from the .npy header (the planner's costs see them before
+    any decoding), the decoded frames in the sample, and a bad clip named by file and sample."""
+    import json
+
+    import numpy as np
+
+    from dhp.errors import DataError
+
+    cfg = load_config(None, audio_overrides)
+    inputs = resolve_inputs(cfg)
+    ds = open_dataset(dataset_spec(inputs, inputs.train_path))
+    audio = inputs.family.module("audio")
+    rows = [json.loads(line) for line in inputs.train_path.read_text().splitlines()]
+    for i in range(len(ds)):
+        row = rows[ds.source_index(i)]
+        frames = [np.load(p).shape[0] for p in row.get("audio", [])]
+        assert ds.info(i).audio_frames == tuple(frames)
+        assert audio.num_placeholders(ds.info(i), inputs.model_cfg) == sum(frames) // 2
+        if frames:
+            sample = ds.get(i)
+            assert torch.equal(sample.toy_frames, torch.cat([torch.from_numpy(np.load(p)) for p in row["audio"]]))
+            assert audio.num_placeholders(sample, inputs.model_cfg) == sum(frames) // 2
+    bad = next(k for k, r in enumerate(rows) if "audio" in r)
+    np.save(rows[bad]["audio"][0], np.zeros((3, 12), np.float32))  # an odd number of frames
+    with pytest.raises(DataError, match=rf"(?s)sample {bad}.*{Path(rows[bad]['audio'][0]).name}.*even"):
+        open_dataset(dataset_spec(inputs, inputs.train_path))
+
+
+def test_families_doc_shows_the_toy_family_as_it_is():
+    """Every code block of docs/families.md's minimal family is in tests/toy_audio.py, verbatim: the doc shows code
+    that the tests run."""
+    import re
+
+    doc = (ROOT / "docs" / "families.md").read_text()
+    source = (ROOT / "tests" / "toy_audio.py").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc.split("## A whole minimal family", 1)[1], flags=re.S)
+    assert len(blocks) >= 3
+    for block in blocks:
+        assert block in source, block[:80]

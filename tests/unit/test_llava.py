@@ -12,9 +12,11 @@ import torch
 from PIL import Image
 
 from dhp.config import DataConfig
+from dhp.data.demo import build_demo_tokenizer
 from dhp.data.llava import DataError, SFTDataset
-from dhp.data.processor import process_image
-from dhp.data.tokenizer import Tokenizer, build_demo_tokenizer
+from dhp.data.tokenizer import Tokenizer
+from dhp.models.qwen2_5_vl.processor import Qwen2_5_VLProcessor as VL
+from dhp.models.qwen2_5_vl.processor import num_image_tokens, num_patches, process_image, vision_token_ids
 
 CFG = DataConfig(min_pixels=56 * 56, max_pixels=28 * 28 * 64, max_length=512)
 
@@ -57,7 +59,7 @@ def test_llava_json_samples_equal_processor_and_template(good_dir: Path, tok: To
              _llava(None, "Say 5", "5")]
     path = good_dir / "train.json"
     path.write_text(json.dumps(items))
-    ds = SFTDataset(CFG, tok, str(path))
+    ds = SFTDataset(CFG, tok, str(path), processor=VL(CFG, tok))
     assert len(ds) == 3 and ds.num_skipped == 0
     lengths = ds.lengths()
     for i in range(3):
@@ -71,10 +73,17 @@ def test_llava_json_samples_equal_processor_and_template(good_dir: Path, tok: To
     assert s.image_grid_thw.tolist() == [g_b.tolist(), g_c.tolist()]
     counts = [int(g_b.prod()) // 4, int(g_c.prod()) // 4]
     msgs = [{"role": "user", "content": items[1]["conversations"][0]["value"]}, {"role": "assistant", "content": "3 7"}]
-    ids, labels = tok.encode_conversation(msgs, counts)
+    v = vision_token_ids(tok)
+    pad, start, end = v["image_token_id"], v["vision_start_token_id"], v["vision_end_token_id"]
+    blocks = {"<image>": [[start] + [pad] * n + [end] for n in counts]}
+    ids, labels = tok.encode_conversation(msgs, blocks)
     assert s.input_ids.tolist() == ids and s.labels.tolist() == labels
-    assert s.num_image_tokens == sum(counts) == int((s.input_ids == tok.image_pad_id).sum())
-    assert ds[2].num_patches == 0 and ds[2].image_grid_thw.shape == (0, 3)
+    assert num_image_tokens(s) == sum(counts) == int((s.input_ids == pad).sum())
+    assert num_patches(ds[2]) == 0 and ds[2].image_grid_thw.shape == (0, 3)
+    empty = {k: tuple(v.shape) for k, v in VL(CFG, tok).empty_media().items()}  # a text-only sample's fields
+    assert {k: tuple(v.shape) for k, v in ds[2].media.items()} == empty == {
+        "pixel_values": (0, 1176), "image_grid_thw": (0, 3), "pixel_values_videos": (0, 1176), "video_grid_thw": (0, 3),
+        "second_per_grid_ts": (0,)}
 
 
 def test_messages_jsonl_and_image_root(tmp_path: Path, tok: Tokenizer) -> None:
@@ -83,7 +92,8 @@ def test_messages_jsonl_and_image_root(tmp_path: Path, tok: Tokenizer) -> None:
     item = {"messages": [{"role": "system", "content": "Digits only."}, {"role": "user", "content": "<image>Which?"},
                          {"role": "assistant", "content": "8"}], "images": ["x.png"]}
     path = _write_jsonl(tmp_path / "data" / "train.jsonl", [item])
-    ds = SFTDataset(replace(CFG, image_root=str(tmp_path / "imgs")), tok, path)
+    cfg = replace(CFG, image_root=str(tmp_path / "imgs"))
+    ds = SFTDataset(cfg, tok, path, processor=VL(cfg, tok))
     s = ds[0]
     assert s.image_grid_thw.tolist() == [[1, 6, 6]]
     assert tok.decode(s.input_ids.tolist()).startswith("system\nDigits only.")
@@ -115,7 +125,7 @@ def _bad_file(good_dir: Path, case: str) -> Path:
 def test_bad_sample_raises_naming_file_and_index(good_dir: Path, tok: Tokenizer, case: str) -> None:
     path = _bad_file(good_dir, case)
     with pytest.raises(DataError, match=BAD[case][1]) as e:
-        SFTDataset(CFG, tok, str(path))
+        SFTDataset(CFG, tok, str(path), processor=VL(CFG, tok))
     assert f"{path} sample 2: " in str(e.value)
     assert "data.on_error=skip" in str(e.value)
     assert [i.index for i in e.value.issues] == [2] * len(e.value.issues)
@@ -124,7 +134,7 @@ def test_bad_sample_raises_naming_file_and_index(good_dir: Path, tok: Tokenizer,
 @pytest.mark.parametrize("case", ["missing image", "count mismatch", "too long", "bad json"])
 def test_skip_drops_and_counts(good_dir: Path, tok: Tokenizer, case: str) -> None:
     path = _bad_file(good_dir, case)
-    ds = SFTDataset(replace(CFG, on_error="skip"), tok, str(path))
+    ds = SFTDataset(replace(CFG, on_error="skip"), tok, str(path), processor=VL(replace(CFG, on_error="skip"), tok))
     assert len(ds) == 3 and ds.num_skipped == 1
     assert [ds.source_index(i) for i in range(3)] == [0, 1, 3]
     assert len(ds.lengths()) == 3
@@ -137,7 +147,7 @@ def test_skip_drops_and_counts(good_dir: Path, tok: Tokenizer, case: str) -> Non
 def test_validate_lists_every_problem(good_dir: Path, tok: Tokenizer) -> None:
     items = [_llava("a.png", "<image>Q", "1"), _llava("gone.png", "Q", "1"), {"conversations": []}]
     path = _write_jsonl(good_dir / "t.jsonl", items)
-    ds = SFTDataset(replace(CFG, on_error="skip"), tok, path)
+    ds = SFTDataset(replace(CFG, on_error="skip"), tok, path, processor=VL(replace(CFG, on_error="skip"), tok))
     issues = ds.validate()
     assert sorted({i.index for i in issues}) == [1, 2]
     messages = " | ".join(str(i) for i in issues)
@@ -148,17 +158,17 @@ def test_validate_lists_every_problem(good_dir: Path, tok: Tokenizer) -> None:
 def test_lengths_do_not_decode_pixels(good_dir: Path, tok: Tokenizer, monkeypatch) -> None:
     path = _write_jsonl(good_dir / "t.jsonl", [_llava("b.png", "<image>Q", "1")])
     monkeypatch.setattr(Image.Image, "load", lambda self: (_ for _ in ()).throw(AssertionError("decoded pixels")))
-    ds = SFTDataset(CFG, tok, path)
+    ds = SFTDataset(CFG, tok, path, processor=VL(CFG, tok))
     monkeypatch.undo()
     assert ds.lengths() == [ds[0].num_tokens]
 
 
 def test_all_bad_or_missing_file(tmp_path: Path, tok: Tokenizer) -> None:
     with pytest.raises(DataError, match="does not exist"):
-        SFTDataset(CFG, tok, tmp_path / "none.jsonl")
+        SFTDataset(CFG, tok, tmp_path / "none.jsonl", processor=VL(CFG, tok))
     path = _write_jsonl(tmp_path / "t.jsonl", [{"conversations": []}])
     with pytest.raises(DataError, match="no usable samples"):
-        SFTDataset(replace(CFG, on_error="skip"), tok, path)
+        SFTDataset(replace(CFG, on_error="skip"), tok, path, processor=VL(replace(CFG, on_error="skip"), tok))
 
 
 def test_loading_without_pixels_gives_the_same_sample_but_pixels(demo_data):
@@ -166,15 +176,16 @@ def test_loading_without_pixels_gives_the_same_sample_but_pixels(demo_data):
     from dhp.data.llava import SFTDataset
     from dhp.data.tokenizer import Tokenizer
 
-    ds = SFTDataset(DataConfig(path=str(demo_data.train)), Tokenizer(demo_data.tokenizer))
+    cfg, tok = DataConfig(path=str(demo_data.train)), Tokenizer(demo_data.tokenizer)
+    ds = SFTDataset(cfg, tok, processor=VL(cfg, tok))
     checked = 0
     for i in range(8):
         full, light = ds.get(i), ds.get(i, pixels=False)
         assert torch.equal(full.input_ids, light.input_ids) and torch.equal(full.labels, light.labels)
         assert torch.equal(full.position_ids, light.position_ids)
         assert torch.equal(full.image_grid_thw, light.image_grid_thw)
-        assert light.pixel_values.shape[0] == 0 and light.num_patches == full.pixel_values.shape[0]
-        checked += full.num_patches > 0
+        assert light.pixel_values.shape[0] == 0 and num_patches(light) == full.pixel_values.shape[0]
+        checked += num_patches(full) > 0
     assert checked >= 4
 
 
@@ -195,19 +206,19 @@ def test_validation_handed_over_gives_the_same_data_set_without_reading_images(d
     shutil.copytree(demo_data.root / "images", tmp_path / "images")
     cfg = DataConfig(path=str(data), on_error="skip")
     tok = Tokenizer(demo_data.tokenizer)
-    driver = llava.SFTDataset(cfg, tok)
+    driver = llava.SFTDataset(cfg, tok, processor=VL(cfg, tok))
 
     def no_image_reads(*args, **kwargs):
         raise AssertionError("a worker read an image header again")
 
-    monkeypatch.setattr(llava.SFTDataset, "_image_grid", no_image_reads)
-    worker = llava.SFTDataset(cfg, tok, validated=driver.validation)
+    monkeypatch.setattr(llava.SFTDataset, "_probe", no_image_reads)
+    worker = llava.SFTDataset(cfg, tok, validated=driver.validation, processor=VL(cfg, tok))
     assert len(worker) == len(driver) == 5 and worker.num_skipped == driver.num_skipped == 1
     assert worker.lengths() == driver.lengths()
     assert torch.equal(worker.get(0, pixels=False).input_ids, driver.get(0, pixels=False).input_ids)
     data.write_text("\n".join(rows[1:]) + "\n")  # the file changed under the run
     with pytest.raises(llava.DataError, match="changed since it was validated"):
-        llava.SFTDataset(cfg, tok, validated=driver.validation)
+        llava.SFTDataset(cfg, tok, validated=driver.validation, processor=VL(cfg, tok))
 
 
 # ---- the data forms users have ----------------------------------------------------------------------------------
@@ -241,8 +252,8 @@ def test_chat_content_form_gives_the_llava_tokens_and_labels(good_dir: Path, tok
                       {"role": "user", "content": [{"type": "text", "text": "Say 5"}]},
                       {"role": "assistant", "content": [{"type": "text", "text": "5"}]}]},
     ]
-    a = SFTDataset(CFG, tok, _write_jsonl(good_dir / "llava.jsonl", llava))
-    b = SFTDataset(CFG, tok, _write_jsonl(good_dir / "chat.jsonl", chat))
+    a = SFTDataset(CFG, tok, _write_jsonl(good_dir / "llava.jsonl", llava), processor=VL(CFG, tok))
+    b = SFTDataset(CFG, tok, _write_jsonl(good_dir / "chat.jsonl", chat), processor=VL(CFG, tok))
     _same_samples(a, b)
 
 
@@ -259,8 +270,8 @@ def test_sharegpt_forms_of_llama_factory(good_dir: Path, tok: Tokenizer) -> None
         {"conversations": [{"from": "human", "value": "<image>Which?"}, {"from": "gpt", "value": "3"}],
          "images": ["a.png"], "system": "Be brief."},
     ]
-    _same_samples(SFTDataset(CFG, tok, _write_jsonl(good_dir / "l.jsonl", llava)),
-                  SFTDataset(CFG, tok, _write_jsonl(good_dir / "s.jsonl", forms)))
+    _same_samples(SFTDataset(CFG, tok, _write_jsonl(good_dir / "l.jsonl", llava), processor=VL(CFG, tok)),
+                  SFTDataset(CFG, tok, _write_jsonl(good_dir / "s.jsonl", forms), processor=VL(CFG, tok)))
 
 
 def test_image_part_sources(good_dir: Path, tok: Tokenizer) -> None:
@@ -272,7 +283,7 @@ def test_image_part_sources(good_dir: Path, tok: Tokenizer) -> None:
     ok = [sample({"type": "image", "url": f"file://{good_dir / 'a.png'}"}),
           sample({"type": "image_url", "image_url": {"url": "a.png"}}),
           sample({"type": "image", "image": "a.png"})]
-    ds = SFTDataset(CFG, tok, _write_jsonl(good_dir / "ok.jsonl", ok))
+    ds = SFTDataset(CFG, tok, _write_jsonl(good_dir / "ok.jsonl", ok), processor=VL(CFG, tok))
     assert len(ds) == 3 and ds[0].input_ids.tolist() == ds[1].input_ids.tolist() == ds[2].input_ids.tolist()
     bad = [sample({"type": "image", "url": "https://example.com/a.png"}),
            {"messages": [{"role": "user", "content": "<image>Which?"}, {"role": "assistant", "content": "3"}],
@@ -282,7 +293,7 @@ def test_image_part_sources(good_dir: Path, tok: Tokenizer) -> None:
            sample({"type": "text", "text": "<image>"})]
     path = _write_jsonl(good_dir / "bad.jsonl", bad)
     with pytest.raises(DataError) as e:
-        SFTDataset(CFG, tok, path)
+        SFTDataset(CFG, tok, path, processor=VL(CFG, tok))
     by_sample = {i.index: i.message for i in e.value.issues}
     assert "is a URL; dhp reads local image files only" in by_sample[0]
     assert "is a URL" in by_sample[1]
@@ -296,23 +307,25 @@ def test_errors_that_share_one_cause_say_it_first(good_dir: Path, tok: Tokenizer
     path = _write_jsonl(good_dir / "t.jsonl", items)
     (good_dir / "elsewhere").mkdir()
     with pytest.raises(DataError) as e:
-        SFTDataset(replace(CFG, image_root=str(good_dir / "elsewhere")), tok, path)
+        cfg = replace(CFG, image_root=str(good_dir / "elsewhere"))
+        SFTDataset(cfg, tok, path, processor=VL(cfg, tok))
     head = str(e.value).splitlines()[0]
     assert "2 image file(s) not found under data.image_root=" in head and "set data.image_root" in head
     with pytest.raises(DataError) as e:
-        SFTDataset(replace(CFG, max_length=8), tok, path)
+        SFTDataset(replace(CFG, max_length=8), tok, path, processor=VL(replace(CFG, max_length=8), tok))
     head = str(e.value).splitlines()[0]
     assert head.startswith("data.max_length=8: 2 sample(s)") and "raise data.max_length to at least" in head
     empty = good_dir / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(DataError, match="holds no samples"):
-        SFTDataset(CFG, tok, empty)
+        SFTDataset(CFG, tok, empty, processor=VL(CFG, tok))
 
 
 def test_skip_leaving_nothing_lists_the_problems(good_dir: Path, tok: Tokenizer) -> None:
     items = [{"conversations": []}, _llava("gone.png", "<image>Q", "1"), "{bad json"]
     with pytest.raises(DataError) as e:
-        SFTDataset(replace(CFG, on_error="skip"), tok, _write_jsonl(good_dir / "t.jsonl", items))
+        skip = replace(CFG, on_error="skip")
+        SFTDataset(skip, tok, _write_jsonl(good_dir / "t.jsonl", items), processor=VL(skip, tok))
     lines = str(e.value).splitlines()
     assert "no usable samples" in lines[0] and "all 3" in lines[0]
     assert any("sample 0: empty conversation" in ln for ln in lines[1:])
@@ -324,9 +337,9 @@ def test_long_validation_shows_progress(good_dir: Path, tok: Tokenizer, monkeypa
     from dhp.data import llava
 
     path = _write_jsonl(good_dir / "t.jsonl", [_llava("a.png", "<image>Q", "1")] * 30)
-    SFTDataset(CFG, tok, path)
+    SFTDataset(CFG, tok, path, processor=VL(CFG, tok))
     assert capsys.readouterr().err == ""  # quick: quiet
     monkeypatch.setattr(llava, "PROGRESS_AFTER_S", 0.0)
-    SFTDataset(CFG, tok, path)
+    SFTDataset(CFG, tok, path, processor=VL(CFG, tok))
     err = capsys.readouterr().err
     assert f"validating {path}: 30/30 samples (100%)" in err and "3/30" in err

@@ -26,7 +26,7 @@ from dhp.models.qwen2_5_vl import build_model, save_hf_checkpoint
 from dhp.models.qwen2_5_vl.family import FAMILY, vision_layout_transforms
 from dhp.models.qwen2_5_vl.text import TextModel
 from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_rule, reset_rotary_buffers
-from dhp.models.qwen2_5_vl.weights import dhp_to_hf_key
+from dhp.models.qwen2_5_vl.weights import WEIGHTS
 from dhp.parallel.materialize import (
     CheckpointError,
     DictSource,
@@ -62,8 +62,8 @@ def reference_text(tie: bool) -> TextModel:
     return m
 
 
-def hf_text_key(name: str) -> str:
-    return dhp_to_hf_key("language." + name)
+def hf_text_key(name: str) -> tuple[str, ...]:
+    return WEIGHTS.hf_names("language." + name)
 
 
 # ---- single process -----------------------------------------------------------------------------------------
@@ -79,7 +79,7 @@ def test_plain_init_is_by_name_and_chunk_local() -> None:
     assert not torch.equal(other.embed_tokens.weight, a.embed_tokens.weight)
     assert not torch.equal(a.layers[0].mlp.gate_up_proj.weight, a.layers[1].mlp.gate_up_proj.weight)
     assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
-    assert torch.equal(a.layers[0].self_attn.q_proj.bias, torch.zeros_like(a.layers[0].self_attn.q_proj.bias))
+    assert torch.equal(a.layers[0].self_attn.qkv_proj.bias, torch.zeros_like(a.layers[0].self_attn.qkv_proj.bias))
     assert a.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert torch.equal(a.rotary.inv_freq, TextModel(text_cfg().text, 0).rotary.inv_freq)  # buffers recomputed
 
@@ -160,7 +160,7 @@ def test_wrong_shape_names_tensor_and_file(checkpoints: dict[bool, str]) -> None
     materialised(m)
     file = str(Path(checkpoints[False]) / "model.safetensors")
     # the fused gate/up reads as HF's gate_proj and up_proj concatenated: [2 * 192, 96] against [2 * 160, 96]
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight\|model\.layers\.0\.mlp\."
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight \+ model\.layers\.0\.mlp\."
                        r"up_proj\.weight in " + re.escape(file) + r" has shape \[384, 96\].*\[320, 96\]"):
         load_by_name(m, SafetensorsSource(checkpoints[False]), key_of=hf_text_key)
 
@@ -199,7 +199,7 @@ def _parallelize(module: TextModel, layout: str, meshes: dict[str, Any]) -> None
         parallelize_text(module, mesh["tp"], sequence_parallel=layout == "tp_sp")
     if layout == "fsdp2":
         apply_fsdp(module, mesh["dp"], list(module.layers), forward_methods=("loss_sum",))
-    if layout == "fsdp4":  # 4 ranks: uneven shards (301 vocabulary rows, 48-row k/v)
+    if layout == "fsdp4":  # 4 ranks: uneven shards (301 vocabulary rows)
         apply_fsdp(module, meshes["world"], list(module.layers), forward_methods=("loss_sum",))
     if layout == "fsdp2_tp2":  # FSDP2 over TP: _StridedShard on dp
         apply_fsdp(module, mesh["dp"], list(module.layers), forward_methods=("loss_sum",))
@@ -211,7 +211,7 @@ def _text_transforms(module: TextModel, layout: str) -> dict[str, Any]:
     from dhp.models.qwen2_5_vl.family import language_layout_transforms
 
     tp = layout in ("tp", "tp_sp", "fsdp2_tp2")
-    par = SimpleNamespace(inner_kind="tp" if tp else None, spec=SimpleNamespace(tp=2 if tp else 1))
+    par = SimpleNamespace(inner_kind="tp" if tp else None, config=SimpleNamespace(tp=2 if tp else 1))
     return language_layout_transforms(module, par)
 
 
@@ -257,6 +257,8 @@ def _worker(rank: int, world_size: int, ckpts: dict[bool, str]) -> dict[str, Any
                 mlp = m.layers[1].mlp.gate_up_proj
                 out["gate_up_local"] = {"weight": mlp.weight.to_local().clone(), "tp_rank": meshes["mesh"]["tp"]
                                         .get_local_rank()}
+                qkv = m.layers[2].self_attn.qkv_proj
+                out["qkv_local"] = {"weight": qkv.weight.to_local().clone(), "bias": qkv.bias.to_local().clone()}
     # the vision TP baseline: fused qkv rows in rank order (a layout transform), from init and from HF
     cfg = text_cfg(False)
     for how in ("init", "load"):
@@ -264,12 +266,12 @@ def _worker(rank: int, world_size: int, ckpts: dict[bool, str]) -> dict[str, Any
             v = VisionTransformer(cfg.vision)
         parallelize_vision_tp(v, meshes["mesh"]["tp"])
         materialised(v)
-        par = SimpleNamespace(inner_kind="tp", spec=SimpleNamespace(tp=2))
+        par = SimpleNamespace(inner_kind="tp", config=SimpleNamespace(tp=2))
         transforms = vision_layout_transforms(v, par)
         if how == "init":
             init_by_name(v, SEED, init_rule, transforms=transforms, chunk_elems=CHUNK)
         else:
-            load_by_name(v, SafetensorsSource(ckpts[False]), key_of=lambda n: dhp_to_hf_key("visual." + n),
+            load_by_name(v, SafetensorsSource(ckpts[False]), key_of=lambda n: WEIGHTS.hf_names("visual." + n),
                          transforms=transforms)
         got = {n: full(p) for n, p in v.named_parameters()}
         out[f"vision/{how}"] = {n: transforms[n].to_canonical(t) if n in transforms else t for n, t in got.items()}
@@ -314,17 +316,18 @@ def test_no_rank_materialises_a_whole_sharded_parameter_under_tp2(ranks: list[di
     for res in ranks:
         sizes, seen = res["sizes/tp/False"], res[f"{what}_seen/tp/False"]
         transformed = res["transformed/tp/False"]
-        assert len(transformed) == text_cfg(False).text.num_hidden_layers  # every layer's fused gate/up weight
+        # every layer's fused q/k/v (weight and bias) and gate/up weight
+        assert len(transformed) == 3 * text_cfg(False).text.num_hidden_layers
         for name, (numel, local) in sizes.items():
             if name in transformed:  # a layout transform: made whole (canonical), reordered, then sliced
-                assert seen[name] == numel, name
+                assert seen.get(name, numel) == numel, name  # (a zero bias's init draws nothing)
                 continue
             if local < numel:  # sharded here
                 assert seen.get(name, 0) < numel, (name, seen.get(name), numel)  # zeros and ones: none
                 if what == "load":
                     assert seen[name] == local, name  # exactly its own slice
                 checked += 1
-    assert checked >= 4 * 2 * 5  # every other projection of every layer (q, k, v, o, down), on both ranks
+    assert checked >= 4 * 2 * 2  # every other projection of every layer (o, down), on both ranks
 
 
 def test_a_tp_rank_holds_its_own_gate_and_up_rows(ranks: list[dict[str, Any]], checkpoints: dict[bool, str]) -> None:
@@ -338,6 +341,19 @@ def test_a_tp_rank_holds_its_own_gate_and_up_rows(ranks: list[dict[str, Any]], c
         r = got["tp_rank"]
         want = torch.cat([gate[r * half:(r + 1) * half], up[r * half:(r + 1) * half]])
         assert torch.equal(got["weight"], want), r
+
+
+def test_a_tp_rank_holds_its_own_q_k_and_v_heads(ranks: list[dict[str, Any]], checkpoints: dict[bool, str]) -> None:
+    """Under TP 2 the fused GQA qkv a rank holds (loaded shard-locally from HF's q_proj, k_proj, v_proj) is [its q
+    heads; its k heads; its v heads]: unequal parts (4 q heads, 2 kv heads of 24), each cut by rank."""
+    hf = load_file(Path(checkpoints[False]) / "model.safetensors")
+    for kind in ("weight", "bias"):
+        q, k, v = (hf[f"model.layers.2.self_attn.{p}_proj.{kind}"] for p in "qkv")
+        assert (q.shape[0], k.shape[0], v.shape[0]) == (96, 48, 48)
+        for res in ranks:
+            r = res["gate_up_local"]["tp_rank"]
+            want = torch.cat([q[r * 48:(r + 1) * 48], k[r * 24:(r + 1) * 24], v[r * 24:(r + 1) * 24]])
+            assert torch.equal(res["qkv_local"][kind], want), (kind, r)
 
 
 @pytest.mark.parametrize("how", ["init", "load"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dhp.models.qwen2_5_vl import build_model, load_hf_checkpoint, save_hf_checkpoint
-from dhp.models.qwen2_5_vl.weights import dhp_to_hf_key
+from dhp.models.qwen2_5_vl.weights import WEIGHTS
 from tests.hf_reference import hf_model_like, tiny_cfg
 
 pytest.importorskip("transformers")
@@ -78,8 +78,8 @@ def test_gradients_match_transformers(pair):
 
     checked = {"visual": 0, "language": 0}
     for name, p in model.named_parameters():
-        # a fused gate/up is HF's gate_proj and up_proj ("a|b"), concatenated on dim 0
-        parts = [hf_params[hf_name(disk)].grad for disk in dhp_to_hf_key(name).split("|")]
+        # a fused q/k/v or gate/up is HF's q_proj, k_proj, v_proj or gate_proj, up_proj, concatenated on dim 0
+        parts = [hf_params[hf_name(disk)].grad for disk in WEIGHTS.hf_names(name)]
         assert p.grad is not None and all(g is not None for g in parts), name
         ref = torch.cat(parts)
         scale = ref.abs().max().item() + 1e-6

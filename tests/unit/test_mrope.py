@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dhp.data.mrope import rope_index
+from dhp.models.qwen2_5_vl.mrope import rope_index
 from tests.hf_reference import tiny_cfg
 
 CFG = tiny_cfg()

@@ -15,13 +15,19 @@ import soundfile as sf
 import torch
 
 from dhp.config import DataConfig, load_config
-from dhp.data.audio import audio_tokens, probe_audio
 from dhp.data.llava import SFTDataset
 from dhp.data.tokenizer import Tokenizer
 from dhp.errors import DataError
 from dhp.models.qwen2_5_omni.audio import AudioEncoder, init_audio
 from dhp.models.qwen2_5_omni.config import tiny
-from dhp.models.qwen2_5_omni.family import FAMILY, audio_cost, encode_audio
+from dhp.models.qwen2_5_omni.family import AUDIO, FAMILY, audio_forward_flops, encode_audio
+from dhp.models.qwen2_5_omni.processor import (
+    Qwen2_5OmniProcessor,
+    audio_token_counts,
+    audio_token_ids,
+    audio_tokens,
+    probe_audio,
+)
 from dhp.models.qwen2_5_omni.rope import omni_rope_index
 from dhp.models.qwen2_5_omni.sequence_parallel import after_stem, clip_units, shard_audio
 
@@ -54,7 +60,7 @@ def test_audio_sp_shards_equal_the_whole_encoder(n_window):
         module.zero_grad()
         got, seen = torch.zeros_like(full), torch.zeros(full.shape[0], dtype=torch.long)
         for rank in range(sp):
-            out, idx = encode_audio(module, samples, NS(inner_kind="sp", spec=NS(sp=sp), inner_rank=rank), "cpu")
+            out, idx = encode_audio(module, samples, NS(inner_kind="sp", config=NS(sp=sp), inner_rank=rank), "cpu")
             got[idx], seen[idx] = out.detach(), seen[idx] + 1
             (out * weight[idx]).sum().backward()
         assert seen.tolist() == [1] * full.shape[0], sp
@@ -80,10 +86,13 @@ def test_units_start_at_even_rows_and_cover_each_clip():
 
 def test_audio_cost_grows_with_length_and_is_the_flop_count():
     cfg = tiny()
-    a = audio_cost(NS(audio_frames=(100,)), cfg)
-    b = audio_cost(NS(audio_frames=(200,)), cfg)
+    a = AUDIO.cost(NS(audio_frames=(100,)), cfg)
+    b = AUDIO.cost(NS(audio_frames=(200,)), cfg)
     assert 1.9 < b / a < 2.1  # chunk-local attention: linear in the clip length
-    assert audio_cost(NS(audio_frames=()), cfg) == 0
+    assert AUDIO.cost(NS(audio_frames=()), cfg) == 0
+    # one FLOP source: what the audio group balances is the forward part of what its MFU counts
+    assert a == AUDIO.flops(NS(audio_frames=(100,)), cfg)[0] == audio_forward_flops(100, cfg.audio)
+    assert AUDIO.flops(NS(audio_frames=(100,)), cfg)[1] < 2 * a  # backward: less conv1's input gradient
 
 
 @pytest.fixture(scope="module")
@@ -91,16 +100,21 @@ def omni(omni_demo_data):
     return omni_demo_data, Tokenizer(omni_demo_data.tokenizer)
 
 
+def _model_cfg(tok: Tokenizer):
+    return FAMILY.model_config(load_config(None, ["model.family=qwen2_5_omni", "model.preset=omni-tiny"]), tok)
+
+
 def test_demo_samples_carry_audio_and_tmrope_positions(omni):
     data, tok = omni
-    model_cfg = FAMILY.model_config(load_config(None, ["model.family=qwen2_5_omni", "model.preset=omni-tiny"]), tok)
-    ds = SFTDataset(DATA, tok, data.train, positions=lambda s: FAMILY.position_ids(model_cfg, s))
+    model_cfg = _model_cfg(tok)
+    ds = SFTDataset(DATA, tok, data.train, processor=Qwen2_5OmniProcessor(DATA, tok, model_cfg))
     kinds = set()
     for i in range(len(ds)):
         s, info = ds[i], ds.info(i)
         counts = [audio_tokens(probe_audio(p).feature_frames) for p in _audio_paths(data.train, ds.source_index(i))]
-        assert s.audio_token_counts == counts
-        assert int((s.input_ids == tok.audio_pad_id).sum()) == sum(counts) == s.num_audio_tokens
+        assert audio_token_counts(s) == counts
+        pad = audio_token_ids(tok)["audio_token_id"]
+        assert int((s.input_ids == pad).sum()) == sum(counts) == s.token_counts.get(pad, 0)
         assert s.audio_features.shape == (128, sum(info.audio_frames))
         assert ds.get(i, pixels=False).audio_features.shape[1] == 0  # the text side never decodes audio
         want = omni_rope_index(s.input_ids[None], s.image_grid_thw if len(s.image_grid_thw) else None, None,
@@ -141,15 +155,16 @@ def test_bad_audio_is_named_or_skipped(omni, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = replace(DATA, max_audio_seconds=2.0)
     with pytest.raises(DataError) as err:
-        SFTDataset(cfg, tok, path)
+        SFTDataset(cfg, tok, path, processor=Qwen2_5OmniProcessor(cfg, tok, _model_cfg(tok)))
     text = str(err.value)
     for k, what in ((1, "corrupt.wav"), (2, "empty.wav"), (3, "data.max_audio_seconds=2"), (4, "too short"),
                     (5, "2 <audio> placeholders but 1 audio clip"), (6, "missing.wav")):
         line = next(ln for ln in text.splitlines() if f"sample {k}:" in ln)
         assert what in line and str(path) in line, (k, line)
-    ds = SFTDataset(replace(cfg, on_error="skip"), tok, path)
+    skip = replace(cfg, on_error="skip")
+    ds = SFTDataset(skip, tok, path, processor=Qwen2_5OmniProcessor(skip, tok, _model_cfg(tok)))
     assert [ds.source_index(i) for i in range(len(ds))] == [0, 7]
-    assert ds[1].audio_token_counts == [audio_tokens(probe_audio(tmp_path / good).feature_frames)] * 2
+    assert audio_token_counts(ds[1]) == [audio_tokens(probe_audio(tmp_path / good).feature_frames)] * 2
 
 
 def test_audio_needs_an_audio_family(omni, tmp_path):
@@ -169,16 +184,16 @@ def test_shard_local_hf_load_reads_fused_qkv_from_separate_tensors(tmp_path):
     read into our fused qkv, a row range at a time): the same weights as the whole model's."""
     from dhp.engine import materialize
     from dhp.models.qwen2_5_omni import build_model, save_hf_checkpoint
-    from dhp.parallel.materialize import SafetensorsSource
+    from dhp.parallel.materialize import SafetensorsSource, read_fused
 
     cfg = tiny(vocab_size=320, image_token_id=300, video_token_id=301, vision_start_token_id=302,
                vision_end_token_id=303, audio_token_id=304, audio_start_token_id=305, audio_end_token_id=306)
     model = build_model(cfg, seed=5)
     save_hf_checkpoint(model, tmp_path / "hf")
     source = SafetensorsSource(tmp_path / "hf")
-    key = FAMILY.hf_key("visual.blocks.1.attn.qkv.weight")
-    assert key.count("|") == 2 and source.has(key)
-    rows = source.read(key, (slice(50, 150),))  # spans the q/k and k/v boundaries (64 rows each)
+    names = FAMILY.weights.hf_names("visual.blocks.1.attn.qkv.weight")
+    assert len(names) == 3 and all(source.has(n) for n in names)
+    rows = read_fused(source, names, (slice(50, 150),))  # spans the q/k and k/v boundaries (64 rows each)
     torch.testing.assert_close(rows, model.visual.blocks[1].attn.qkv.weight[50:150].detach())
     for spec, whole in ((FAMILY.encoders[0], model.visual), (FAMILY.encoders[1], model.audio),
                         (FAMILY.language, model.language)):

@@ -21,7 +21,7 @@ from dhp.models.qwen2_5_omni import (
 )
 from dhp.models.qwen2_5_omni.audio import after_conv_lengths, audio_output_lengths, chunk_features
 from dhp.models.qwen2_5_omni.config import Qwen2_5OmniConfig, tiny
-from dhp.models.qwen2_5_omni.weights import dhp_to_hf_key, hf_to_dhp_key
+from dhp.models.qwen2_5_omni.weights import WEIGHTS
 
 pytest.importorskip("transformers")
 
@@ -151,7 +151,7 @@ def hf_name(ours: str) -> list[str]:
     """transformers' in-memory parameter names of one of ours (three for a fused vision qkv)."""
     memory = {"audio_tower.": "model.audio_tower.", "visual.": "model.visual.", "model.": "model.language_model."}
     out = []
-    for disk in dhp_to_hf_key(ours).split("|"):
+    for disk in WEIGHTS.hf_names(ours):
         prefix = next((p for p in memory if disk.startswith(p)), None)
         out.append(memory[prefix] + disk[len(prefix):] if prefix else disk)
     return out
@@ -294,16 +294,22 @@ def test_round_trip_and_full_omni_layout(tmp_path, pair):
 
 
 def test_key_names():
-    assert dhp_to_hf_key("audio.layers.0.self_attn.k_proj.weight") == "audio_tower.layers.0.self_attn.k_proj.weight"
-    assert dhp_to_hf_key("visual.blocks.3.attn.qkv.bias") == (
-        "visual.blocks.3.attn.q.bias|visual.blocks.3.attn.k.bias|visual.blocks.3.attn.v.bias")
-    assert dhp_to_hf_key("language.lm_head.weight") == "lm_head.weight"
-    assert dhp_to_hf_key("language.norm.weight") == "model.norm.weight"
+    names = WEIGHTS.hf_names
+    assert names("audio.layers.0.self_attn.k_proj.weight") == ("audio_tower.layers.0.self_attn.k_proj.weight",)
+    assert names("visual.blocks.3.attn.qkv.bias") == (
+        "visual.blocks.3.attn.q.bias", "visual.blocks.3.attn.k.bias", "visual.blocks.3.attn.v.bias")
+    assert names("language.layers.1.self_attn.qkv_proj.weight") == tuple(
+        f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv")
+    assert names("language.lm_head.weight") == ("lm_head.weight",)
+    assert names("language.norm.weight") == ("model.norm.weight",)
     for spelling in ("model.norm.weight", "model.language_model.norm.weight", "thinker.model.norm.weight"):
-        assert hf_to_dhp_key(spelling) == "language.norm.weight"
-    assert hf_to_dhp_key("thinker.visual.blocks.1.attn.k.weight") == "visual.blocks.1.attn.qkv.weight"
-    assert hf_to_dhp_key("model.audio_tower.proj.bias") == "audio.proj.bias"
-    assert hf_to_dhp_key("talker.model.norm.weight") is None
+        assert WEIGHTS.dhp_key(spelling) == "language.norm.weight"
+    assert WEIGHTS.dhp_key("thinker.visual.blocks.1.attn.k.weight") == "visual.blocks.1.attn.qkv.weight"
+    assert WEIGHTS.dhp_key("thinker.model.layers.0.self_attn.v_proj.bias") == (
+        "language.layers.0.self_attn.qkv_proj.bias")
+    assert WEIGHTS.dhp_key("model.audio_tower.layers.0.self_attn.v_proj.bias") == "audio.layers.0.self_attn.v_proj.bias"
+    assert WEIGHTS.dhp_key("model.audio_tower.proj.bias") == "audio.proj.bias"
+    assert WEIGHTS.dhp_key("talker.model.norm.weight") is None and WEIGHTS.ignored("talker.model.norm.weight")
 
 
 def test_tied_embeddings_round_trip(tmp_path):

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from dhp.models.qwen2_5_vl.config import preset, tiny
-from dhp.plan.measure import GroupJob, image_grid, measure
+from dhp.models.qwen2_5_vl.synthetic import image_grid
+from dhp.plan.measure import GroupJob, measure, media_of
 from tests.spawn import run_distributed
 
-TINY = dict(vision_tokens=1024, text_tokens=256, device="cpu")
+TINY = dict(media=media_of({"vision": 1024}), text_tokens=256, device="cpu")
 
 
 def tiny_cfg() -> Any:
@@ -98,14 +99,14 @@ def test_sp_alltoall_equals_closed_form_and_moves_less_than_tp() -> None:
     v = replace(cfg.vision, depth=8, fullatt_block_indexes=(7,))
     cfg = replace(cfg, vision=v)
     tokens, n = 4096, 4
-    sp = measure(GroupJob("vision", inner=n, inner_kind="sp", vision_tokens=tokens, device="cpu"), cfg)
+    sp = measure(GroupJob("vision", inner=n, inner_kind="sp", media=media_of({"vision": tokens}), device="cpu"), cfg)
     grid = torch.tensor([image_grid(tokens)])
     sizes = shard_vision(vision_layout(grid, v), n)[0].split_sizes
     elem = 2  # q, k, v and the output in bfloat16 under autocast
     want = expected_alltoall_bytes(sizes, 0, v.num_heads, v.head_dim, elem, len(v.fullatt_block_indexes),
                                    backward=True)
     assert sp.comm_sent == {"all_to_all": want}
-    tp = measure(GroupJob("vision", inner=n, inner_kind="tp", vision_tokens=tokens, device="cpu"), cfg)
+    tp = measure(GroupJob("vision", inner=n, inner_kind="tp", media=media_of({"vision": tokens}), device="cpu"), cfg)
     tp_sent = tp.comm.get("all_reduce", 0) * 2 * (n - 1) / n  # ring all-reduce: what a rank sends
     assert sp.comm_sent["all_to_all"] < tp_sent / 4
 
@@ -121,14 +122,15 @@ def test_json_schema(tmp_path: Any, capsys: Any) -> None:
           "--strategies", "dhp-collocated,uniform-tp", "--json", str(out)])
     assert "fastest that fits" in capsys.readouterr().out
     doc = json.loads(out.read_text())
-    assert set(doc) == {"model", "gpus", "gpu_memory_gb", "rows", "recommended"}
-    assert doc["model"] == "tiny" and doc["gpus"] == 2 and isinstance(doc["gpu_memory_gb"], float)
+    assert set(doc) == {"model", "family", "gpus", "gpu_memory_gb", "rows", "recommended"}
+    assert doc["model"] == "tiny" and doc["family"] == "qwen2_5_vl" and doc["gpus"] == 2
+    assert isinstance(doc["gpu_memory_gb"], float)
     assert {r["strategy"] for r in doc["rows"]} == {"dhp-collocated", "uniform-tp"}
     for row in [*doc["rows"], doc["recommended"]]:
-        assert set(row) == {"strategy", "overrides", "vision_tokens", "fits", "step_time_s", "tokens_per_s",
+        assert set(row) == {"strategy", "overrides", "media_tokens", "fits", "step_time_s", "tokens_per_s",
                             "groups"}
         assert all(isinstance(o, str) and "=" in o for o in row["overrides"])
-        assert isinstance(row["vision_tokens"], int) and isinstance(row["fits"], bool)
+        assert row["media_tokens"] == {"vision": 1024} and isinstance(row["fits"], bool)
         assert row["step_time_s"] > 0 and row["tokens_per_s"] > 0
         assert set(row["groups"]) == {"vision", "text"}
         for g in row["groups"].values():
@@ -186,7 +188,7 @@ def test_chunked_loss_lowers_the_text_peak_and_recomputes_the_head_once(device: 
     chunked = measure(replace(job, loss_chunk_tokens=64), cfg)
     extra = chunked.flops - whole.flops
     assert extra > 0 and extra % (2 * d * v) == 0
-    n = TINY["text_tokens"] + TINY["vision_tokens"] // 4  # text + merged image placeholders
+    n = TINY["text_tokens"] + 1024 // 4  # text + merged image placeholders
     assert extra == 2 * n * d * v
     assert whole.peak - chunked.peak >= n * v * 4, (whole.peak, chunked.peak)  # a float32 [N, V] at least
     assert chunked.weights == whole.weights and chunked.grads == whole.grads

@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig, TextConfig, VisionConfig
+from dhp.observe.devices import get_device
 from dhp.plan import planner
-from dhp.plan.devices import get_device
-from dhp.plan.measure import GiB, GroupJob, measure, measure_collocated, measure_model
+from dhp.plan.measure import GiB, GroupJob, measure, measure_collocated, measure_model, media_of
 from tests.spawn import run_distributed
 from tests.unit.test_plan import TINY, tiny_cfg
 
@@ -32,7 +32,7 @@ def deep_cfg() -> Any:
                    text=replace(c.text, num_hidden_layers=32))
 
 
-SHORT = dict(vision_tokens=256, text_tokens=64, device="cpu")
+SHORT = dict(media=media_of({"vision": 256}), text_tokens=64, device="cpu")
 
 
 @pytest.mark.parametrize("module,kind", [("text", "tp"), ("vision", "sp")])
@@ -65,7 +65,7 @@ def cfg_100m() -> Qwen2_5_VLConfig:
         image_token_id=290, video_token_id=291, vision_start_token_id=292, vision_end_token_id=293)
 
 
-M100 = dict(vision_tokens=256, text_tokens=128, device="cpu")
+M100 = dict(media=media_of({"vision": 256}), text_tokens=128, device="cpu")
 LAYOUTS_100M = {
     "vision-sp2": GroupJob("vision", inner=2, inner_kind="sp", **M100),
     "text-tp2": GroupJob("text", inner=2, inner_kind="tp", **M100),
@@ -117,22 +117,18 @@ def _untracked_micro_batch_peak(job: GroupJob, model_cfg: Any) -> int:
     from dhp.models.registry import get_family
     from dhp.plan import measure as m
 
+    family = get_family("qwen2_5_vl")
+    inputs = m._inputs(job, model_cfg, family)
     cfg = m._config(job)
     par = m._fake_world(job, cfg.module(job.module).parallel, fake=False)
-    eng, mesh = m._engine_shell(get_family("qwen2_5_vl").module(job.module), model_cfg, cfg, par)
+    eng, mesh = m._engine_shell(family.module(job.module), model_cfg, cfg, par)
     eng = m._engine_build(eng, mesh, "cpu")
     with _StorageTracker() as st:
         if job.module == "text":
-            b = m._text_batch(job, model_cfg)
-            with eng.autocast():
-                loss = eng.module.loss_sum(b["input_ids"], b["position_ids"], b["targets"],
-                                           {model_cfg.image_token_id: b["media"]}, b["cu_seqlens"])
+            loss, _ = m._language_loss(eng, inputs)
             loss.backward()
         else:
-            samples = m._vision_samples(job, model_cfg)
-            with eng.autocast():
-                embeds = eng.spec.encode(eng.module, samples, eng.par, eng.device)[0].float()
-            del samples
+            embeds, _ = m._encoder_forward(eng, inputs)
             embeds.backward(torch.zeros_like(embeds))
     return st.peak
 
@@ -199,8 +195,8 @@ def test_collocated_prediction_matches_real_gloo_run(real: list[dict[str, Any]],
     matters)."""
     jobs = COLLOCATED[layout]
     res = {j: measure(j, tiny_cfg()) for j in jobs.values()}
-    row = planner.evaluate(planner.Row(f"{layout}-collocated", 1024, False, jobs), res, get_device("h100", None),
-                           2, 80.0, TINY["text_tokens"])
+    row = planner.evaluate(planner.Row(f"{layout}-collocated", {"vision": 1024}, False, jobs), res,
+                           get_device("h100", None), 2, 80.0, TINY["text_tokens"], model_cfg=tiny_cfg())
     predicted = max(g["peak_gb"] for g in row.groups.values()) * GiB
     alone = max(r.peak for r in res.values())
     for r in real:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dhp.data.processor import PATCH_DIM, image_tokens, process_image, smart_resize
+from dhp.models.qwen2_5_vl.processor import PATCH_DIM, image_tokens, process_image, smart_resize
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 64
 

@@ -17,8 +17,8 @@ from dhp.backends.local import LocalBackend
 from dhp.config import load_config
 from dhp.data.sampler import BatchPlanner
 from dhp.inputs import dataset_spec, module_costs, open_dataset, resolve_inputs
-from dhp.models.layers import Segments, host_metadata, packed_attention
 from dhp.observe.syncs import SyncAudit
+from dhp.ops.attention import Segments, host_metadata, packed_attention
 
 ENGINE_METHODS = ("forward", "backward", "forward_backward", "finish_gradients", "grad_norm_sq", "step")
 

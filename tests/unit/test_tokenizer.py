@@ -1,4 +1,5 @@
-"""Tokenizer wrapper, demo tokenizer and the Qwen2.5-VL chat layout (against the real template, rendered by Jinja)."""
+"""Tokenizer wrapper, demo tokenizer and the ChatML layout with Qwen2.5-VL's media blocks (against the real template,
+rendered by Jinja)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,10 @@ import json
 
 import pytest
 
-from dhp.data.tokenizer import (
-    IGNORE_INDEX,
-    QWEN2_5_VL_CHAT_TEMPLATE,
-    SPECIAL_TOKENS,
-    Tokenizer,
-    build_demo_tokenizer,
-    render_chat,
-)
+from dhp.data.demo import QWEN2_5_VL_CHAT_TEMPLATE, QWEN2_5_VL_SPECIAL_TOKENS, build_demo_tokenizer
+from dhp.data.tokenizer import IGNORE_INDEX, Tokenizer, TokenizerError, render_chat
+from dhp.models.qwen2_5_omni.processor import audio_placeholder, audio_token_ids
+from dhp.models.qwen2_5_vl.processor import vision_placeholders, vision_token_ids
 
 TEXTS = ["What digit is this?", "3", "What are the two digits?", "3 7", "Read the digits from left to right.",
          "4 1 9", "How many digits are there?", "2"]
@@ -22,6 +19,12 @@ TEXTS = ["What digit is this?", "3", "What are the two digits?", "3 7", "Read th
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
     return Tokenizer(build_demo_tokenizer(tmp_path_factory.mktemp("tok"), TEXTS))
+
+
+def _images(tok: Tokenizer, counts: list[int]) -> dict[str, list[list[int]]]:
+    """The blocks Qwen2.5-VL's processor gives ``<image>`` tags of ``counts`` tokens each."""
+    image, _ = vision_placeholders(tok)
+    return {"<image>": [image.block(n) for n in counts]}
 
 
 def _hf(tok: Tokenizer):
@@ -54,22 +57,24 @@ def test_demo_tokenizer_is_small_deterministic_and_round_trips(tmp_path) -> None
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
     assert json.loads((a / "tokenizer_config.json").read_text())["chat_template"] == QWEN2_5_VL_CHAT_TEMPLATE
     tok = Tokenizer(a)
-    assert 256 + len(SPECIAL_TOKENS) <= tok.vocab_size <= 512
+    assert 256 + len(QWEN2_5_VL_SPECIAL_TOKENS) <= tok.vocab_size <= 512
     for text in ["Hello, World! 0123456789 ~{}|\\", "tabs\tand\nnewlines  ", "unicode: é 数字 🙂", ""]:
         assert tok.decode(tok.encode(text)) == text
     assert tok.encode("7 3") == [tok.token_to_id("7"), tok.token_to_id("Ġ"), tok.token_to_id("3")]
 
 
 def test_special_tokens_by_name_and_single(tok: Tokenizer) -> None:
-    ids = {attr: getattr(tok, attr) for attr in SPECIAL_TOKENS}
-    assert len(set(ids.values())) == len(ids)
-    for attr, (token, *_) in SPECIAL_TOKENS.items():
-        assert tok.encode(token) == [ids[attr]]
-        assert tok.token_to_id(token) == ids[attr]
+    ids = {token: tok.token_to_id(token) for token in QWEN2_5_VL_SPECIAL_TOKENS}
+    assert None not in ids.values() and len(set(ids.values())) == len(ids)
+    for token, tid in ids.items():
+        assert tok.encode(token) == [tid]
+    assert (tok.im_start_id, tok.im_end_id) == (ids["<|im_start|>"], ids["<|im_end|>"])
     assert tok.encode("<|im_start|>user") == [tok.im_start_id, *tok.encode("user")]
     assert tok.decode([tok.im_start_id, *tok.encode("hi")]) == "hi"
     assert tok.decode([tok.im_start_id, *tok.encode("hi")], skip_special_tokens=False) == "<|im_start|>hi"
-    assert tok.special_token_ids()["image_token_id"] == tok.image_pad_id
+    assert vision_token_ids(tok) == {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+                                     "vision_start_token_id": ids["<|vision_start|>"],
+                                     "vision_end_token_id": ids["<|vision_end|>"]}
 
 
 def test_missing_special_token_names_token_and_dir(tmp_path) -> None:
@@ -84,6 +89,12 @@ def test_missing_special_token_names_token_and_dir(tmp_path) -> None:
     assert str(tmp_path) in str(e.value)
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         Tokenizer(tmp_path / "nowhere")
+    raw.add_special_tokens(["<|im_end|>"])  # a ChatML tokenizer without the vision tokens: the family names them
+    raw.save(str(tmp_path / "tokenizer.json"))
+    chatml = Tokenizer(tmp_path)
+    assert chatml.has("<|im_start|>", "<|im_end|>") and not chatml.has("<|im_end|>", "<|image_pad|>")
+    with pytest.raises(TokenizerError, match=r"special token <\|image_pad\|> or <\|IMAGE\|> is missing .*Qwen2.5-VL"):
+        vision_token_ids(chatml)
 
 
 def test_render_matches_qwen_template_text(tok: Tokenizer) -> None:
@@ -111,10 +122,10 @@ def test_render_matches_qwen_template_text(tok: Tokenizer) -> None:
     ],
 )
 def test_ids_equal_qwen_template_plus_processor(tok: Tokenizer, messages, counts) -> None:
-    ids, labels = tok.encode_conversation(messages, counts)
+    ids, labels = tok.encode_conversation(messages, _images(tok, counts))
     assert ids == _reference_ids(tok, messages, counts)
     assert len(labels) == len(ids)
-    assert ids.count(tok.image_pad_id) == sum(counts)
+    assert ids.count(vision_token_ids(tok)["image_token_id"]) == sum(counts)
     supervised = [t for t in labels if t != IGNORE_INDEX]
     expected = []
     for m in messages:
@@ -125,12 +136,12 @@ def test_ids_equal_qwen_template_plus_processor(tok: Tokenizer, messages, counts
 
 def test_exact_label_layout(tok: Tokenizer) -> None:
     msgs = [{"role": "user", "content": "<image>What digit is this?"}, {"role": "assistant", "content": "3"}]
-    ids, labels = tok.encode_conversation(msgs, [2])
-    e = tok.encode
+    ids, labels = tok.encode_conversation(msgs, _images(tok, [2]))
+    e, v = tok.encode, vision_token_ids(tok)
     prefix = (
         [tok.im_start_id] + e("system\nYou are a helpful assistant.") + [tok.im_end_id] + e("\n")
-        + [tok.im_start_id] + e("user\n") + [tok.vision_start_id, tok.image_pad_id, tok.image_pad_id,
-                                             tok.vision_end_id] + e("What digit is this?") + [tok.im_end_id]
+        + [tok.im_start_id] + e("user\n") + [v["vision_start_token_id"], v["image_token_id"], v["image_token_id"],
+                                             v["vision_end_token_id"]] + e("What digit is this?") + [tok.im_end_id]
         + e("\n") + [tok.im_start_id] + e("assistant\n")
     )
     reply = e("3") + [tok.im_end_id]
@@ -140,7 +151,7 @@ def test_exact_label_layout(tok: Tokenizer) -> None:
 
 def test_generation_prompt(tok: Tokenizer) -> None:
     msgs = [{"role": "user", "content": "<image>What digit is this?"}]
-    ids, labels = tok.encode_conversation(msgs, [3], add_generation_prompt=True)
+    ids, labels = tok.encode_conversation(msgs, _images(tok, [3]), add_generation_prompt=True)
     assert ids == _reference_ids(tok, msgs, [3], gen=True)
     assert ids[-len(tok.encode("assistant\n")) - 1:] == [tok.im_start_id, *tok.encode("assistant\n")]
     assert set(labels) == {IGNORE_INDEX}
@@ -148,39 +159,38 @@ def test_generation_prompt(tok: Tokenizer) -> None:
 
 def test_conversation_errors(tok: Tokenizer) -> None:
     with pytest.raises(ValueError, match="2 <image> placeholders but 1 images"):
-        tok.encode_conversation([{"role": "user", "content": "<image><image>"}], [4])
+        tok.encode_conversation([{"role": "user", "content": "<image><image>"}], _images(tok, [4]))
     with pytest.raises(ValueError, match="unknown role 'bot'"):
-        tok.encode_conversation([{"role": "bot", "content": "x"}], [])
+        tok.encode_conversation([{"role": "bot", "content": "x"}])
     with pytest.raises(ValueError, match="empty conversation"):
-        tok.encode_conversation([], [])
+        tok.encode_conversation([])
 
 
 def test_omni_tokenizer_aliases_and_audio_blocks(tmp_path) -> None:
     """A tokenizer with Qwen2.5-Omni's names (<|IMAGE|>, <|vision_bos|>, ...) gives the same attributes, and
     ``<audio>`` expands to <|audio_bos|> + <|AUDIO|> x n + <|audio_eos|>, never supervised."""
-    from dhp.data.tokenizer import QWEN2_5_OMNI_CHAT_TEMPLATE, build_demo_tokenizer
+    from dhp.data.demo import QWEN2_5_OMNI_CHAT_TEMPLATE
 
     d = build_demo_tokenizer(tmp_path / "omni", ["What digits were dialed? 0123456789"], omni=True)
     assert json.loads((d / "tokenizer_config.json").read_text())["chat_template"] == QWEN2_5_OMNI_CHAT_TEMPLATE
     tok = Tokenizer(d)
-    assert tok.has_audio and tok.image_pad_id == tok.token_to_id("<|IMAGE|>")
-    assert tok.vision_start_id == tok.token_to_id("<|vision_bos|>")
-    audio = tok.audio_token_ids()
+    v, audio = vision_token_ids(tok), audio_token_ids(tok)
+    assert v["image_token_id"] == tok.token_to_id("<|IMAGE|>")
+    assert v["vision_start_token_id"] == tok.token_to_id("<|vision_bos|>")
     assert audio["audio_token_id"] == tok.token_to_id("<|AUDIO|>")
     msgs = [{"role": "user", "content": "<audio><image>Which?"}, {"role": "assistant", "content": "42"}]
-    ids, labels = tok.encode_conversation(msgs, [2], audio_token_counts=[3])
-    a0 = ids.index(tok.audio_start_id)
-    assert ids[a0:a0 + 5] == [tok.audio_start_id] + [tok.audio_pad_id] * 3 + [tok.audio_end_id]
-    assert ids[a0 + 5:a0 + 9] == [tok.vision_start_id, tok.image_pad_id, tok.image_pad_id, tok.vision_end_id]
+    ids, labels = tok.encode_conversation(msgs, _images(tok, [2]) | {"<audio>": [audio_placeholder(tok).block(3)]})
+    start, pad, end = audio["audio_start_token_id"], audio["audio_token_id"], audio["audio_end_token_id"]
+    a0 = ids.index(start)
+    assert ids[a0:a0 + 5] == [start] + [pad] * 3 + [end]
+    assert ids[a0 + 5:a0 + 9] == [v["vision_start_token_id"], v["image_token_id"], v["image_token_id"],
+                                  v["vision_end_token_id"]]
     assert all(lab == -100 for lab in labels[a0:a0 + 9])
     with pytest.raises(ValueError, match="1 <audio> placeholders but 0 audio clips"):
-        tok.encode_conversation(msgs, [2])
+        tok.encode_conversation(msgs, _images(tok, [2]))
 
 
 def test_vl_tokenizer_refuses_audio(tok: Tokenizer) -> None:
-    from dhp.data.tokenizer import TokenizerError
-
-    assert not tok.has_audio
-    with pytest.raises(TokenizerError, match="no audio tokens"):
-        tok.encode_conversation([{"role": "user", "content": "<audio>hi"}, {"role": "assistant", "content": "x"}],
-                                [], audio_token_counts=[4])
+    assert not tok.has("<|AUDIO|>")
+    with pytest.raises(TokenizerError, match="no audio tokens"):  # the Omni processor's audio blocks need them
+        audio_placeholder(tok)

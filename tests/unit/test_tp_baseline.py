@@ -1,15 +1,16 @@
 """The uniform-TP baseline is the best TP can be: all-reduces per block, counted with ``CommCounter``.
 
 Megatron fuses q/k/v and gate/up into one weight each, so a block reduces one input gradient per sub-layer in
-backward. Our gate/up is one fused ``gate_up_proj`` (as is the vision qkv); the text q/k/v keep HF's separate
-projections and get the same count by sharing one ``Replicate`` DTensor input (``replicated_input``). Per block
-and step, tp 2:
+backward. So do we: the vision ``attn.qkv``, the text ``self_attn.qkv_proj`` (GQA: unequal q, k, v parts) and
+every ``mlp.gate_up_proj`` are one fused Linear each, sharded rank-ordered (``FusedColwise``). Per block and step,
+tp 2:
 
 * vision: forward proj + down, backward qkv input + MLP input: 4 all-reduces of [S, C];
 * text: forward o + down, backward attention input + MLP input: 4 of [1, T, D] (it was 7 with q, k, v, gate and
-  up apart; 6 without the shared q/k/v input).
+  up apart).
 
-The naive plan (each projection its own ``from_local``) is rebuilt here to show what the shared input saves.
+The plan without the SP-style input hooks (each projection its own ``from_local``) is rebuilt here: with every
+column-parallel projection fused there is nothing left for a shared input to save.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         else:
             heads = cfg.vision.num_heads
             for block in vision.blocks:
-                parallelize_module(block, mesh, _naive(vision_block_plan(heads, cfg.vision.intermediate_size)))
+                parallelize_module(block, mesh, _naive(vision_block_plan(cfg.vision)))
                 block.attn.num_heads = heads // world
         res[f"vision_{variant}"] = _count(lambda v=vision: v(xv["pixel_values"], xv["grid_thw"]),
                                           lambda out: (out * xv["weight"]).sum().backward())
@@ -76,7 +77,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         else:
             parallelize_module(text, mesh, text_top_plan())
             for layer in text.layers:
-                parallelize_module(layer, mesh, _naive(text_layer_plan(cfg.text.intermediate_size)))
+                parallelize_module(layer, mesh, _naive(text_layer_plan(cfg.text)))
         embeds = xt["image_embeds"].clone().requires_grad_()
         res[f"text_{variant}"] = _count(
             lambda t=text, e=embeds: t.hidden_states(xt["input_ids"], xt["position_ids"], e, xt["cu_seqlens"]),
@@ -106,8 +107,8 @@ def test_vision_tp_all_reduces_four_per_block(counts):
 
 
 def test_text_tp_all_reduces_four_per_layer(counts):
-    """L layers over [1, T, D]: the embedding's forward all-reduce, then 2 forward + 2 backward per layer
-    (the naive plan: 2 + 4, q, k, v and the fused gate/up each reducing their own input gradient)."""
+    """L layers over [1, T, D]: the embedding's forward all-reduce, then 2 forward + 2 backward per layer (the fused
+    qkv and the fused gate/up each reduce their one input gradient: 7 with q, k, v, gate and up apart)."""
     cfg = text_cfg().text
     seq = text_inputs(text_cfg())["input_ids"].shape[1]
     layers, payload = cfg.num_hidden_layers, seq * cfg.hidden_size * 4
@@ -115,5 +116,5 @@ def test_text_tp_all_reduces_four_per_layer(counts):
         got, naive = res["text_shipped"], res["text_naive"]
         assert got["forward"] == {"calls": 1 + 2 * layers, "bytes": (1 + 2 * layers) * payload}
         assert got["backward"] == {"calls": 2 * layers, "bytes": 2 * layers * payload}
-        assert naive["backward"] == {"calls": 4 * layers, "bytes": 4 * layers * payload}
+        assert naive == got  # nothing left to share: the layer's column-parallel projections are fused
         assert got["other_kinds"] == []

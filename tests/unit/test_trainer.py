@@ -56,7 +56,7 @@ def test_loss_is_the_global_token_mean(demo_overrides):
     with torch.no_grad():
         for i in planner.plan(0).sample_ids:
             s = ds[i]
-            emb = vision(s.pixel_values, s.image_grid_thw) if s.num_patches else None
+            emb = vision(s.pixel_values, s.image_grid_thw) if s.image_grid_thw.shape[0] else None
             t = shifted_targets(s.labels)
             total += float(text.loss_sum(s.input_ids[None], s.position_ids[:, None], t[None], emb))
             n += int((t != -100).sum())

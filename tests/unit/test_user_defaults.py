@@ -107,6 +107,7 @@ def test_image_parts_are_named_as_parts_and_numbering_is_stated(demo_data, tmp_p
     from dhp.data.llava import SFTDataset
     from dhp.data.tokenizer import Tokenizer
     from dhp.errors import DataError
+    from dhp.models.qwen2_5_vl.processor import Qwen2_5_VLProcessor
 
     good = json.loads(demo_data.train.read_text().splitlines()[0])
     bare = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "which?"}]},
@@ -114,7 +115,8 @@ def test_image_parts_are_named_as_parts_and_numbering_is_stated(demo_data, tmp_p
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps(good) + "\n" + json.dumps(bare) + "\n")
     with pytest.raises(DataError) as e:
-        SFTDataset(DataConfig(path=str(path), image_root=str(demo_data.root)), Tokenizer(demo_data.tokenizer))
+        cfg, tok = DataConfig(path=str(path), image_root=str(demo_data.root)), Tokenizer(demo_data.tokenizer)
+        SFTDataset(cfg, tok, processor=Qwen2_5_VLProcessor(cfg, tok))
     head, *lines = str(e.value).splitlines()
     assert "(samples are numbered from 0, in file order)" in head
     (line,) = lines

@@ -12,9 +12,19 @@ import torch
 from PIL import Image
 
 from dhp.config import DataConfig
+from dhp.data.demo import build_demo_tokenizer
 from dhp.data.llava import DataError, SFTDataset
-from dhp.data.tokenizer import Tokenizer, build_demo_tokenizer
-from dhp.data.video import VideoSettings, process_video, write_clip
+from dhp.data.tokenizer import Tokenizer
+from dhp.data.video import write_clip
+from dhp.models.qwen2_5_vl.processor import Qwen2_5_VLProcessor as VL
+from dhp.models.qwen2_5_vl.processor import (
+    VideoSettings,
+    num_patches,
+    num_video_patches,
+    num_video_tokens,
+    process_video,
+    vision_token_ids,
+)
 
 pytest.importorskip("av")
 
@@ -61,18 +71,18 @@ def test_forms_agree_and_header_grids_are_exact(media, tok):
                       {"role": "assistant", "content": "3 7"}],
          "images": ["img.png"], "videos": ["b.mp4", ["f0.png", "f1.png", "f2.png", "f3.png"]]},
     ]
-    a = SFTDataset(CFG, tok, _write(media / "l.jsonl", llava))
-    b = SFTDataset(CFG, tok, _write(media / "m.jsonl", messages))
+    a = SFTDataset(CFG, tok, _write(media / "l.jsonl", llava), processor=VL(CFG, tok))
+    b = SFTDataset(CFG, tok, _write(media / "m.jsonl", messages), processor=VL(CFG, tok))
     settings = VideoSettings.from_data(CFG)
     for i in range(2):
         x, y, light = a[i], b[i], a.get(i, pixels=False)
         assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.pixel_values_videos, y.pixel_values_videos)
         assert torch.equal(x.position_ids, light.position_ids) and torch.equal(x.video_grid_thw, light.video_grid_thw)
-        assert light.pixel_values_videos.shape[0] == 0 and x.pixel_values_videos.shape[0] == x.num_video_patches
-        assert x.num_video_tokens == int((x.input_ids == tok.video_pad_id).sum()) > 0
+        assert light.pixel_values_videos.shape[0] == 0 and x.pixel_values_videos.shape[0] == num_video_patches(x)
+        assert num_video_tokens(x) == int((x.input_ids == vision_token_ids(tok)["video_token_id"]).sum()) > 0
         assert a.lengths()[i] == x.num_tokens
         info = a.info(i)  # the planner's view counts video patches as vision work
-        assert sum(t * h * w for t, h, w in info.image_grids) == x.num_patches + x.num_video_patches
+        assert sum(t * h * w for t, h, w in info.image_grids) == num_patches(x) + num_video_patches(x)
     pv, plan = process_video(media / "a.mp4", settings)
     assert torch.equal(a[0].pixel_values_videos, pv)
     assert a[0].second_per_grid_ts.tolist() == [pytest.approx(plan.second_per_grid)]
@@ -89,7 +99,7 @@ def test_bad_clips_are_named(media, tok):
     path = _write(media / "bad.jsonl", rows)
     cfg = replace(CFG, max_length=80)
     with pytest.raises(DataError) as e:
-        SFTDataset(cfg, tok, path)
+        SFTDataset(cfg, tok, path, processor=VL(cfg, tok))
     by = {i.index: i.message for i in e.value.issues}
     assert "cannot be read" in by[0] and "broken.mp4" in by[0]
     assert "video_min_frames=4" in by[1] and "short.mp4" in by[1]
@@ -97,5 +107,5 @@ def test_bad_clips_are_named(media, tok):
     assert "does not exist" in by[3]
     assert "longer than data.max_length=80" in by[5] and "video_max_pixels" in by[5]
     assert 4 not in by and str(path) in str(e.value)
-    ds = SFTDataset(replace(cfg, on_error="skip"), tok, path)
+    ds = SFTDataset(replace(cfg, on_error="skip"), tok, path, processor=VL(replace(cfg, on_error="skip"), tok))
     assert len(ds) == 1 and ds.source_index(0) == 4 and ds.num_skipped == 5

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dhp.data.mrope import rope_index
 from dhp.models.qwen2_5_vl import build_model
+from dhp.models.qwen2_5_vl.mrope import rope_index
 from tests.hf_reference import hf_model_like, tiny_cfg
 
 pytest.importorskip("transformers")

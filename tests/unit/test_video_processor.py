@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dhp.data.video import VideoError, VideoSettings, probe, process_video, write_clip
+from dhp.data.video import VideoError, write_clip
+from dhp.models.qwen2_5_vl.processor import VideoSettings, probe, process_video
 
 pytest.importorskip("av")
 pytest.importorskip("transformers")

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dhp.models.layers import Segments, host_metadata, packed_attention
 from dhp.models.qwen2_5_omni.config import AudioConfig
 from dhp.models.qwen2_5_vl.vision import init_rule
+from dhp.ops.attention import Segments, host_metadata, packed_attention
 from dhp.parallel.materialize import init_by_name
 
 

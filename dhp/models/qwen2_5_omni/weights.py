@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints of the Qwen2.5-Omni thinker in and out: a weight adapter, not renamed modules.
+"""Hugging Face checkpoints of the Qwen2.5-Omni thinker in and out: a weight adapter (``OmniThinkerWeights``),
+not renamed modules.
 
 On disk, a thinker saved by transformers (``Qwen2_5OmniThinkerForConditionalGeneration.save_pretrained``) has
 ``audio_tower.*``, ``visual.*`` (encoder + merger), ``model.*`` (decoder) and ``lm_head.weight``. transformers 5
@@ -6,84 +7,54 @@ keeps them in memory as ``model.audio_tower.*`` / ``model.visual.*`` / ``model.l
 published full Qwen2.5-Omni checkpoints (thinker + talker + token2wav) have them under ``thinker.``. All three
 spellings load. Only the thinker is read: ``talker.*`` and ``token2wav.*`` tensors (speech output) are skipped.
 
-Our modules are ``visual.*``, ``audio.*`` and ``language.*`` (``lm_head`` inside ``language``). One layout
-difference: our vision attention has a fused ``attn.qkv`` where the Omni checkpoint has ``attn.q``, ``attn.k``,
-``attn.v``: they are concatenated on dim 0 (q, k, v) on load and split on save. Our SwiGLUs (vision and text)
-hold one fused ``mlp.gate_up_proj`` where the checkpoint has ``mlp.gate_proj`` and ``mlp.up_proj``: the same,
-gate then up (the Qwen2.5-VL adapter's rules).
+Our modules are ``visual.*``, ``audio.*`` and ``language.*`` (``lm_head`` inside ``language``). Fused parameters
+(``dhp.models.adapter.Fused``): our vision attention has a fused ``attn.qkv`` where the Omni checkpoint has
+``attn.q``, ``attn.k``, ``attn.v`` (concatenated on dim 0, q, k, v, on load; split on save); the language model is
+Qwen2.5-VL's, so its ``self_attn.qkv_proj`` and every SwiGLU's ``mlp.gate_up_proj`` map as in the Qwen2.5-VL
+adapter (``q_proj``/``k_proj``/``v_proj``; ``gate_proj``/``up_proj``). The audio encoder keeps HF's names.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from dhp.models.adapter import Fused
 from dhp.models.qwen2_5_omni.config import Qwen2_5OmniConfig
 from dhp.models.qwen2_5_omni.model import Qwen2_5OmniThinker
-from dhp.models.qwen2_5_vl.weights import (
-    _checkpoint_files,
-    _rebuild_buffers,
-    _rename,
-    fuse_parts,
-    fused_key,
-    fused_part,
-    load_into,
-    split_names,
-)
-from dhp.models.qwen2_5_vl.weights import save_hf_checkpoint as _save_vl_layout
-from dhp.parallel.materialize import split_fused
+from dhp.models.qwen2_5_vl.weights import GATE_UP, TEXT_QKV, QwenVLWeights, _rebuild_buffers, load_into
 
-# (pattern on a checkpoint key, after any ``thinker.`` prefix, replacement giving our key); first match wins
-_FROM_HF = [
-    (r"^model\.audio_tower\.", "audio."),
-    (r"^model\.visual\.", "visual."),
-    (r"^model\.language_model\.", "language."),
-    (r"^audio_tower\.", "audio."),
-    (r"^visual\.", "visual."),
-    (r"^model\.", "language."),
-    (r"^lm_head\.", "language.lm_head."),
-]
-_TO_HF = [
-    (r"^audio\.", "audio_tower."),
-    (r"^visual\.", "visual."),
-    (r"^language\.lm_head\.", "lm_head."),
-    (r"^language\.", "model."),
-]
-_NOT_THINKER = ("talker.", "token2wav.")  # the speech-output halves of a full Qwen2.5-Omni checkpoint
-_QKV = re.compile(r"^(visual\.blocks\.\d+\.attn\.)(q|k|v)\.(weight|bias)$")  # our-side name after renaming
-_FUSED = re.compile(r"^(visual\.blocks\.\d+\.attn\.)qkv\.(weight|bias)$")
+_T = r"^(?:thinker\.)?"  # a full Qwen2.5-Omni checkpoint's thinker prefix, optional
+VISION_QKV = Fused(r"visual\.blocks\.\d+\.attn\.", "qkv", ("q", "k", "v"))  # equal parts: C rows each
 
 
-def hf_to_dhp_key(key: str) -> str | None:
-    """Our name of a checkpoint key, None for a key that is not part of the thinker (talker, token2wav, unknown).
-    The vision ``attn.q``/``attn.k``/``attn.v`` keys all map to our fused ``attn.qkv`` key."""
-    if key.startswith(_NOT_THINKER):
-        return None
-    ours = _rename(key.removeprefix("thinker."), _FROM_HF)
-    if ours is None:
-        return None
-    m = _QKV.match(ours)
-    return f"{m.group(1)}qkv.{m.group(3)}" if m else fused_key(ours)
+class OmniThinkerWeights(QwenVLWeights):
+    """The Qwen2.5-Omni thinker's checkpoints (thinker-only or full Omni layout); config and tying as Qwen2.5-VL's."""
+
+    family = "qwen2_5_omni"
+    from_hf_rules = (  # (pattern on a checkpoint key, replacement giving our key); first match wins
+        (_T + r"model\.audio_tower\.", "audio."),
+        (_T + r"model\.visual\.", "visual."),
+        (_T + r"model\.language_model\.", "language."),
+        (_T + r"audio_tower\.", "audio."),
+        (_T + r"visual\.", "visual."),
+        (_T + r"model\.", "language."),
+        (_T + r"lm_head\.", "language.lm_head."),
+    )
+    to_hf_rules = (
+        (r"^audio\.", "audio_tower."),
+        (r"^visual\.", "visual."),
+        (r"^language\.lm_head\.", "lm_head."),
+        (r"^language\.", "model."),
+    )
+    fused = (VISION_QKV, TEXT_QKV, GATE_UP)
+    skipped = ("talker.", "token2wav.")  # the speech-output halves of a full Qwen2.5-Omni checkpoint
 
 
-def dhp_to_hf_key(key: str) -> str:
-    """The key of one of our parameters in a thinker checkpoint as transformers saves it. A fused vision qkv maps to
-    its three parts joined by ``|`` (q, k, v order), to be concatenated on dim 0."""
-    m = _FUSED.match(key)
-    if m:
-        return "|".join(f"{m.group(1)}{part}.{m.group(2)}" for part in "qkv")
-    names = []
-    for name in split_names(key):  # a fused gate/up: gate, then up
-        out = _rename(name, _TO_HF)
-        if out is None:
-            raise KeyError(f"no Hugging Face name for parameter {key!r}")
-        names.append(out)
-    return "|".join(names)
+WEIGHTS = OmniThinkerWeights()
 
 
 def read_hf_config(path: str | Path) -> Qwen2_5OmniConfig:
@@ -96,35 +67,7 @@ def read_hf_config(path: str | Path) -> Qwen2_5OmniConfig:
 def load_hf_state_dict(path: str | Path, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """Our-named tensors from a checkpoint directory (thinker-only or full Omni layout); ``keys`` (our names)
     limits what is read. Talker/token2wav tensors are skipped; any other unknown key is an error."""
-    path = Path(path)
-    wanted = None if keys is None else set(keys)
-    out: dict[str, torch.Tensor] = {}
-    qkv_parts: dict[str, dict[str, torch.Tensor]] = {}  # our fused key -> {"q"|"k"|"v": tensor}
-    mlp_parts: dict[str, dict[str, torch.Tensor]] = {}  # our fused key -> {"gate"|"up": tensor}
-    unknown: list[str] = []
-    for file in _checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for hf_key in f.keys():
-                if hf_key.startswith(_NOT_THINKER):
-                    continue
-                key = hf_to_dhp_key(hf_key)
-                if key is None:
-                    unknown.append(hf_key)
-                elif wanted is None or key in wanted:
-                    part = re.search(r"\.attn\.(q|k|v)\.(?:weight|bias)$", hf_key)
-                    if _FUSED.match(key) and part:
-                        qkv_parts.setdefault(key, {})[part.group(1)] = f.get_tensor(hf_key)
-                    elif fused_part(hf_key):
-                        mlp_parts.setdefault(key, {})[fused_part(hf_key)] = f.get_tensor(hf_key)
-                    else:
-                        out[key] = f.get_tensor(hf_key)
-    if unknown:
-        raise KeyError(f"{path}: checkpoint keys that are not part of the Qwen2.5-Omni thinker: {sorted(unknown)}")
-    for key, parts in qkv_parts.items():
-        if set(parts) != {"q", "k", "v"}:
-            raise KeyError(f"{path}: {key} needs attn.q, attn.k and attn.v; found only {sorted(parts)}")
-        out[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
-    return out | fuse_parts(mlp_parts, str(path))
+    return WEIGHTS.load_hf(path, keys)
 
 
 def load_hf_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Qwen2_5OmniThinker:
@@ -135,21 +78,16 @@ def load_hf_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> 
     cfg = read_hf_config(path)
     with torch.device("meta"):
         model = Qwen2_5OmniThinker(cfg)
-    load_into(model, load_hf_state_dict(path), source=str(path))
+    load_into(model, WEIGHTS.load_hf(path), source=str(path))
     _rebuild_buffers(model)  # vision and text rotary tables
     model.audio.register_buffer("positional_embedding", model.audio._positions(), persistent=False)
     return model.to(device)
 
 
 def hf_state_dict(model: Qwen2_5OmniThinker) -> dict[str, torch.Tensor]:
-    """Our weights under the keys of a transformers-saved thinker checkpoint (vision qkv split in q, k, v, every
-    fused gate/up in gate and up)."""
-    out = {}
-    for key, tensor in model.state_dict().items():
-        if key == "language.lm_head.weight" and model.cfg.text.tie_word_embeddings:
-            continue
-        out.update({k: v.contiguous() for k, v in split_fused(dhp_to_hf_key(key), tensor.detach().cpu()).items()})
-    return out
+    """Our weights under the keys of a transformers-saved thinker checkpoint (vision qkv split in q, k, v, text
+    qkv_proj in q_proj, k_proj, v_proj, every fused gate/up in gate and up)."""
+    return WEIGHTS.hf_state(model)
 
 
 def save_hf_checkpoint(
@@ -157,4 +95,4 @@ def save_hf_checkpoint(
 ) -> None:
     """Write config.json and safetensors shards that transformers' ``Qwen2_5OmniThinkerForConditionalGeneration``
     loads with no missing and no unexpected keys. ``state``: HF-named tensors to write instead of the model's."""
-    _save_vl_layout(model, path, max_shard_bytes, state=state if state is not None else hf_state_dict(model))
+    WEIGHTS.save_hf(model, path, max_shard_bytes, state)

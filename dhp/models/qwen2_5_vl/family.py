@@ -1,8 +1,8 @@
 """Qwen2.5-VL as a dhp model family: a vision encoder (+ merger) feeding a language model.
 
-Everything the runtime needs to know about Qwen2.5-VL is here, as data (``FAMILY``):
-how each module is built, initialised and parallelized, where its weights live,
-which samples it works on and what a sample costs it. Generic code looks the
+Everything the runtime needs to know about Qwen2.5-VL is here (``FAMILY``, a ``dhp.models.spec.Family``):
+how each module is built and parallelized, where its weights live, which placeholders it fills and
+what a sample costs it (its model FLOPs, ``flops.py``). Generic code looks the
 family up by name (``dhp.models.registry``) and never imports this file.
 """
 
@@ -17,34 +17,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from dhp.models.layers import host_metadata
-from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig, TextConfig, VisionConfig, preset
+from dhp.data.loader import cat_to_device
+from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig, preset
 from dhp.models.qwen2_5_vl.flops import text_sample_flops, vision_sample_flops
-from dhp.models.qwen2_5_vl.model import Qwen2_5_VL, count_parameters, init_qwen
-from dhp.models.qwen2_5_vl.text import TextModel
+from dhp.models.qwen2_5_vl.model import Qwen2_5_VL
+from dhp.models.qwen2_5_vl.text import TextModel, text_qkv_sizes
 from dhp.models.qwen2_5_vl.vision import VisionTransformer, reset_rotary_buffers, vision_layout
-from dhp.models.qwen2_5_vl.weights import (
-    dhp_to_hf_key,
-    load_hf_state_dict,
-    load_into,
-    read_hf_config,
-    save_hf_checkpoint,
-)
-from dhp.models.spec import EncoderSpec, FamilySpec, LanguageSpec, LayoutTransform, ParallelizeOptions, SampleInfo
+from dhp.models.qwen2_5_vl.weights import WEIGHTS, load_into, read_hf_config
+from dhp.models.spec import Encoder, Family, LanguageModel, LayoutTransform, ParallelizeOptions, SampleInfo
+from dhp.ops.attention import host_metadata
 from dhp.parallel.sharding import apply_activation_checkpointing, apply_fsdp
+from dhp.parallel.tensor import heads_problem
 
 # ---- vision encoder -----------------------------------------------------------------------------------
-
-
-def build_vision(model_cfg: Qwen2_5_VLConfig) -> VisionTransformer:
-    return VisionTransformer(model_cfg.vision)
-
-
-def init_module(module: nn.Module, seed: int, transforms: dict | None = None) -> None:
-    """Normal(0, 0.02) weights, zero biases, unit norms, each parameter from ``(seed, its name)``, on whatever
-    shard this rank holds: the weights ``build_model(cfg, seed)`` gives the same module, in every layout.
-    ``transforms``: the layout's non-canonical parameters (``layout_transforms``)."""
-    init_qwen(module, seed, transforms)
 
 
 def parallelize_vision(module: VisionTransformer, par: Any, opts: ParallelizeOptions) -> None:
@@ -74,8 +59,8 @@ def encode_vision(module: VisionTransformer, samples: list, par: Any,
     Each sample's inputs in the family's order: its images, then its video clips (``token_counts``). The index is
     host metadata (a CPU tensor, from the grids): the engine cuts it per sample without reading the device."""
     patch_dim = module.cfg.patch_dim
-    pixels = torch.cat([torch.zeros(0, patch_dim)] + [p for s in samples for p in (
-        s.pixel_values, s.pixel_values_videos)]).to(device)
+    pixels = cat_to_device([torch.zeros(0, patch_dim)] + [p for s in samples for p in (  # pinned, non-blocking
+        s.pixel_values, s.pixel_values_videos)], device)
     with host_metadata():  # image shapes: host metadata
         grid = torch.cat([torch.zeros(0, 3, dtype=torch.long)] + [g for s in samples for g in (
             s.image_grid_thw, s.video_grid_thw)])
@@ -86,7 +71,7 @@ def encode_vision(module: VisionTransformer, samples: list, par: Any,
     from dhp.models.qwen2_5_vl.sequence_parallel import shard_vision, sp_forward
 
     with host_metadata():
-        shard = shard_vision(vision_layout(grid.cpu(), module.cfg), par.spec.sp)[par.inner_rank]
+        shard = shard_vision(vision_layout(grid.cpu(), module.cfg), par.config.sp)[par.inner_rank]
     out = sp_forward(module, pixels, shard, par.inner_group)  # [S_local/4, D] window order
     return out, shard.merged_index
 
@@ -99,142 +84,90 @@ def fused_rows_transform(sizes: Sequence[int], tp: int) -> LayoutTransform:
                            from_canonical=functools.partial(rows_to_rank_order, sizes=tuple(sizes), tp=tp))
 
 
-def _gate_up_transforms(module: nn.Module, intermediate_size: int, tp: int) -> dict[str, LayoutTransform]:
-    """The fused gate/up weights (and biases) of every SwiGLU under TP: rows grouped by rank."""
-    transform = fused_rows_transform((intermediate_size, intermediate_size), tp)
+def _fused_transforms(module: nn.Module, suffix: str, sizes: Sequence[int], tp: int) -> dict[str, LayoutTransform]:
+    """The transform of every fused ``<suffix>.weight`` / ``.bias`` of ``module`` under TP: rows grouped by rank."""
+    transform = fused_rows_transform(sizes, tp)
     return {name.replace("._checkpoint_wrapped_module", ""): transform for name, _ in module.named_parameters()
-            if name.endswith(("mlp.gate_up_proj.weight", "mlp.gate_up_proj.bias"))}
+            if name.endswith((f"{suffix}.weight", f"{suffix}.bias"))}
 
 
 def vision_layout_transforms(module: nn.Module, par: Any) -> dict[str, LayoutTransform]:
-    """Under the uniform-TP baseline the fused qkv and gate/up rows are grouped by rank (``FusedQKVColwise``,
-    ``FusedColwise``): the global DTensor is not in HF order. Every other layout, and every other parameter, is
-    canonical as it is."""
+    """Under the uniform-TP baseline the fused qkv and gate/up rows are grouped by rank (``FusedColwise``): the
+    global DTensor is not in HF order. Every other layout, and every other parameter, is canonical as it is."""
     if par.inner_kind != "tp":
         return {}
-    from dhp.models.qwen2_5_vl.parallelize import qkv_rows_from_rank_order, qkv_rows_to_rank_order
-
-    heads, tp = module.cfg.num_heads, par.spec.tp
-    transform = LayoutTransform(to_canonical=functools.partial(qkv_rows_from_rank_order, num_heads=heads, tp=tp),
-                                from_canonical=functools.partial(qkv_rows_to_rank_order, num_heads=heads, tp=tp))
-    qkv = {name.replace("._checkpoint_wrapped_module", ""): transform for name, _ in module.named_parameters()
-           if name.endswith(("attn.qkv.weight", "attn.qkv.bias"))}
-    return qkv | _gate_up_transforms(module, module.cfg.intermediate_size, tp)
+    cfg, tp = module.cfg, par.config.tp
+    return (_fused_transforms(module, "attn.qkv", (cfg.hidden_size,) * 3, tp)
+            | _fused_transforms(module, "mlp.gate_up_proj", (cfg.intermediate_size,) * 2, tp))
 
 
 def language_layout_transforms(module: nn.Module, par: Any) -> dict[str, LayoutTransform]:
-    """Under text TP the fused gate/up rows are grouped by rank (``FusedColwise``); every other parameter, and
-    every other layout, is canonical as it is."""
+    """Under text TP the fused q/k/v (unequal parts: GQA) and gate/up rows are grouped by rank
+    (``FusedColwise``); every other parameter, and every other layout, is canonical as it is."""
     if par.inner_kind != "tp":
         return {}
-    return _gate_up_transforms(module, module.cfg.intermediate_size, par.spec.tp)
+    cfg, tp = module.cfg, par.config.tp
+    return (_fused_transforms(module, "self_attn.qkv_proj", text_qkv_sizes(cfg), tp)
+            | _fused_transforms(module, "mlp.gate_up_proj", (cfg.intermediate_size,) * 2, tp))
 
 
 def check_vision_layout(model_cfg: Qwen2_5_VLConfig, sp: int, tp: int) -> str | None:
     heads = model_cfg.vision.num_heads
-    if sp > 1 and heads % sp:
-        return f"vision.parallel.sp={sp} must divide the vision heads ({heads})"
-    if tp > 1 and heads % tp:
-        return f"vision.parallel.tp={tp} must divide the vision heads ({heads})"
-    return None
+    return (heads_problem("vision.parallel.sp", sp, heads, "vision heads")
+            or heads_problem("vision.parallel.tp", tp, heads, "vision heads")
+            # the fused gate/up shards each half evenly (FusedColwise); uneven shards are the planner v2's
+            or heads_problem("vision.parallel.tp", tp, model_cfg.vision.intermediate_size, "vision MLP width"))
 
 
-def _chunks(n: int, size: int) -> list[int]:
-    """``n`` cut into pieces of ``size`` (the last one shorter): the window extents along one axis."""
-    return [size] * (n // size) + ([n % size] if n % size else [])
+class Vision(Encoder):
+    """The vision encoder and its merger: images and video clips into merged vision tokens."""
+
+    name = "vision"
+    weight_prefix = "visual"
+    seed_offset = 0
+    inner = ("sp", "tp")
+    projector_prefixes = ("merger.",)
+    forward_methods = ("encode_rows",)
+    modalities = ("image", "video")
+
+    def build(self, model_cfg: Qwen2_5_VLConfig) -> VisionTransformer:
+        return VisionTransformer(model_cfg.vision)
+
+    def reset_buffers(self, module: nn.Module) -> None:
+        reset_rotary_buffers(module)
+
+    def set_train_options(self, module: VisionTransformer, train: Any) -> None:
+        module.attention_kernel = train.attention  # packed attention's kernel (auto, sdpa, varlen)
+
+    def placeholder_ids(self, model_cfg: Qwen2_5_VLConfig) -> tuple[int, ...]:
+        return (model_cfg.image_token_id, model_cfg.video_token_id)  # images' embeddings first, then videos'
+
+    def check_layout(self, model_cfg: Qwen2_5_VLConfig, sp: int, tp: int) -> str | None:
+        return check_vision_layout(model_cfg, sp, tp)
+
+    def parallelize(self, module: VisionTransformer, par: Any, opts: ParallelizeOptions) -> None:
+        parallelize_vision(module, par, opts)
+
+    def layout_transforms(self, module: nn.Module, par: Any) -> dict[str, LayoutTransform]:
+        return vision_layout_transforms(module, par)
+
+    def flops(self, info: SampleInfo, model_cfg: Qwen2_5_VLConfig) -> tuple[float, float]:
+        return vision_sample_flops(info, model_cfg)
+
+    def depth_variants(self, model_cfg: Qwen2_5_VLConfig) -> tuple[list[Any], float] | None:
+        from dhp.models.qwen2_5_vl.synthetic import depth_variants
+
+        return depth_variants(self.name, model_cfg)
+
+    def encode(self, module: VisionTransformer, samples: list, par: Any,
+               device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        return encode_vision(module, samples, par, device)
 
 
-def vision_flops(grids: Sequence[tuple[int, int, int]], cfg: VisionConfig) -> float:
-    """Forward FLOPs of the vision encoder on one sample's images (0.0 for a text-only sample).
-
-    Per image of ``t`` frames of ``h x w`` patches (``P = t*h*w``), width ``C``, MLP width ``I``:
-
-    * linear layers, every block: ``2 * P * (4*C^2 + 3*C*I)`` (qkv + proj, SwiGLU), ``depth`` blocks;
-    * attention, ``4 * C * sum(s^2)`` per block over its segments ``s`` (QK^T and AV):
-      window blocks attend within windows of ``window_merged^2`` merged tokens
-      (64 patches for Qwen2.5-VL; edge windows are smaller), the ``len(fullatt_block_indexes)``
-      full-attention blocks within each frame (``s = h*w``), which makes the cost quadratic;
-    * the patch embedding ``2 * P * patch_dim * C`` and the merger ``2 * P/4 * (4C * 4C + 4C * out)``.
-
-    Divided by ``2 * depth * (4*C^2 + 3*C*I)`` it reads ``P + n_full * 2C * (h*w) * P / (depth * (4C^2 + 3CI))
-    + (window term) + (embed, merger)``: patches plus a quadratic term whose weight grows as the width
-    shrinks (small at the real width for a few thousand patches, dominant at the tiny width).
-    Backward costs about twice the forward of the same ops, so the ratios between samples hold for training.
-    """
-    c, i, unit = cfg.hidden_size, cfg.intermediate_size, cfg.merge_unit
-    n_full = len(cfg.fullatt_block_indexes)
-    n_window = cfg.depth - n_full
-    total = 0.0
-    for t, h, w in grids:
-        p = t * h * w
-        gh, gw = h // cfg.spatial_merge_size, w // cfg.spatial_merge_size
-        # sum over windows of (patches in the window)^2 = unit^2 * (sum_a a^2) * (sum_b b^2), per frame
-        win_sq = t * unit**2 * sum(a * a for a in _chunks(gh, cfg.window_merged)) * sum(
-            b * b for b in _chunks(gw, cfg.window_merged)
-        )
-        full_sq = t * (h * w) ** 2
-        total += cfg.depth * 2 * p * (4 * c * c + 3 * c * i)
-        total += 4 * c * (n_window * win_sq + n_full * full_sq)
-        total += 2 * p * cfg.patch_dim * c + 2 * (p // unit) * (unit * c * unit * c + unit * c * cfg.out_hidden_size)
-    return float(total)
-
-
-def text_flops(tokens: int, cfg: TextConfig) -> float:
-    """Forward FLOPs of the language model on one packed sample of ``tokens`` tokens (images' tokens included).
-
-    Per layer: ``2 * T * W`` for the weights ``W = C*(C + 2*kv*hd) + C*C + 3*C*I`` (q, k, v, o with GQA, SwiGLU)
-    and ``2 * C * T^2`` for causal attention (QK^T and AV over half the T x T scores); plus the
-    LM head ``2 * T * C * vocab``. Divided by ``2 * layers * W`` it reads ``T + T^2 * C / W`` (+ head):
-    for a dense model with a 4x MLP (``W = 12 C^2``) that is ``T + T^2 / (12 C)``.
-    """
-    c, i = cfg.hidden_size, cfg.intermediate_size
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    weights = c * (c + 2 * kv) + c * c + 3 * c * i
-    per_layer = 2 * tokens * weights + 2 * c * tokens * tokens
-    return float(cfg.num_hidden_layers * per_layer + 2 * tokens * c * cfg.vocab_size)
-
-
-def vision_cost(info: SampleInfo, model_cfg: Qwen2_5_VLConfig) -> float:
-    """What the vision group balances: the forward FLOPs of the sample's images and video clips (``image_grids``
-    holds both; backward is a fixed multiple)."""
-    return vision_flops(info.image_grids, model_cfg.vision)
-
-
-def vision_tokens(info: SampleInfo, model_cfg: Qwen2_5_VLConfig) -> int:
-    unit = model_cfg.vision.merge_unit
-    return sum(t * h * w // unit for t, h, w in info.image_grids)
-
-
-VISION = EncoderSpec(
-    name="vision",
-    weight_prefix="visual",
-    build=build_vision,
-    init=init_module,
-    parallelize=parallelize_vision,
-    seed_offset=0,
-    inner=("sp", "tp"),
-    check_layout=check_vision_layout,
-    projector_prefixes=("merger.",),
-    forward_methods=("encode_rows",),
-    layout_transforms=vision_layout_transforms,
-    reset_buffers=reset_rotary_buffers,
-    cost=vision_cost,
-    flops=vision_sample_flops,
-    num_tokens=lambda sample, model_cfg: sample.num_image_tokens + sample.num_video_tokens,
-    token_id=lambda model_cfg: model_cfg.image_token_id,
-    token_ids=lambda model_cfg: (model_cfg.image_token_id, model_cfg.video_token_id),
-    token_counts=lambda sample, model_cfg: (sample.num_image_tokens, sample.num_video_tokens),
-    encode=encode_vision,
-    info_tokens=vision_tokens,
-    modalities=("image", "video"),
-)
+VISION = Vision()
 
 
 # ---- language model -----------------------------------------------------------------------------------
-
-
-def build_text(model_cfg: Qwen2_5_VLConfig) -> TextModel:
-    return TextModel(model_cfg.text, model_cfg.image_token_id)
 
 
 def parallelize_language(module: TextModel, par: Any, opts: ParallelizeOptions) -> None:
@@ -254,51 +187,120 @@ def parallelize_language(module: TextModel, par: Any, opts: ParallelizeOptions) 
 
 
 def check_text_layout(model_cfg: Qwen2_5_VLConfig, sp: int, tp: int) -> str | None:
-    kv = model_cfg.text.num_key_value_heads
-    if tp > 1 and kv % tp:
-        return f"text.parallel.tp={tp} must divide the key/value heads ({kv})"
-    return None
+    return heads_problem("text.parallel.tp", tp, model_cfg.text.num_key_value_heads, "key/value heads")
 
 
-def text_cost(info: SampleInfo, model_cfg: Qwen2_5_VLConfig) -> float:
-    """What the text group balances: the forward FLOPs of the sample's tokens (linear plus causal attention)."""
-    return text_flops(info.num_tokens, model_cfg.text)
+class Text(LanguageModel):
+    """The language model and its head."""
+
+    name = "text"
+    weight_prefix = "language"
+    seed_offset = 1
+    inner = ("tp",)
+    sequence_parallel = True
+
+    def build(self, model_cfg: Qwen2_5_VLConfig) -> TextModel:
+        return TextModel(model_cfg.text, model_cfg.image_token_id)
+
+    def reset_buffers(self, module: nn.Module) -> None:
+        reset_rotary_buffers(module)
+
+    def set_train_options(self, module: TextModel, train: Any) -> None:
+        module.attention_kernel = train.attention  # packed attention's kernel (auto, sdpa, varlen)
+        module.loss_chunk_tokens = train.loss_chunk_tokens  # the head's logits in chunks of this many rows
+
+    def check_layout(self, model_cfg: Qwen2_5_VLConfig, sp: int, tp: int) -> str | None:
+        return check_text_layout(model_cfg, sp, tp)
+
+    def parallelize(self, module: TextModel, par: Any, opts: ParallelizeOptions) -> None:
+        parallelize_language(module, par, opts)
+
+    def layout_transforms(self, module: nn.Module, par: Any) -> dict[str, LayoutTransform]:
+        return language_layout_transforms(module, par)
+
+    def flops(self, info: SampleInfo, model_cfg: Qwen2_5_VLConfig) -> tuple[float, float]:
+        return text_sample_flops(info, model_cfg)
+
+    def depth_variants(self, model_cfg: Qwen2_5_VLConfig) -> tuple[list[Any], float] | None:
+        from dhp.models.qwen2_5_vl.synthetic import depth_variants
+
+        return depth_variants(self.name, model_cfg)
 
 
-LANGUAGE = LanguageSpec(
-    name="text",
-    weight_prefix="language",
-    build=build_text,
-    init=init_module,
-    parallelize=parallelize_language,
-    seed_offset=1,
-    inner=("tp",),
-    sequence_parallel=True,
-    check_layout=check_text_layout,
-    forward_methods=("loss_sum",),
-    layout_transforms=language_layout_transforms,
-    reset_buffers=reset_rotary_buffers,
-    cost=text_cost,
-    flops=text_sample_flops,
-)
+LANGUAGE = Text()
 
 
 # ---- the whole model ----------------------------------------------------------------------------------
 
 
-def model_config(cfg: Any, tok: Any) -> Qwen2_5_VLConfig:
-    """The model config: from ``model.hf_path``'s config.json, or a preset with the tokenizer's token ids.
+class Qwen2_5_VLFamily(Family):
+    """Qwen2.5-VL: one vision encoder (images and video) feeding the language model."""
 
-    Raises ValueError naming the key when the tokenizer does not fit the model."""
-    tokens = tok.special_token_ids()
-    if cfg.model.hf_path:
-        model_cfg = read_hf_config(cfg.model.hf_path)
-    elif cfg.model.preset == "tiny":
-        from dhp.models.qwen2_5_vl.config import tiny
+    name = "qwen2_5_vl"
+    encoders = (VISION,)
+    language = LANGUAGE
+    hf_model_types = ("qwen2_5_vl",)
+    presets = ("tiny", "3b", "7b", "32b", "72b")
 
-        model_cfg = tiny(vocab_size=64 * math.ceil(tok.vocab_size / 64), **tokens)
-    else:
-        model_cfg = preset(cfg.model.preset).with_tokens(**tokens)
+    def model_config(self, cfg: Any, tok: Any) -> Qwen2_5_VLConfig:
+        """From ``model.hf_path``'s config.json, or a preset with the tokenizer's token ids."""
+        from dhp.models.qwen2_5_vl.processor import vision_token_ids
+
+        tokens = vision_token_ids(tok)
+        if cfg.model.hf_path:
+            model_cfg = read_hf_config(cfg.model.hf_path)
+        elif cfg.model.preset == "tiny":
+            from dhp.models.qwen2_5_vl.config import tiny
+
+            model_cfg = tiny(vocab_size=64 * math.ceil(tok.vocab_size / 64), **tokens)
+        else:
+            model_cfg = preset(cfg.model.preset).with_tokens(**tokens)
+        check_tokenizer(model_cfg, tok, tokens)
+        return model_cfg
+
+    def preset_config(self, name: str) -> Qwen2_5_VLConfig:
+        return read_hf_config(name) if Path(name).is_dir() else preset(name)
+
+    def describe(self, model_cfg: Qwen2_5_VLConfig) -> list[tuple[str, int, str]]:
+        v, t = model_cfg.vision, model_cfg.text
+        return [
+            ("vision encoder + merger", VISION.num_parameters(model_cfg),
+             f"depth {v.depth}, hidden {v.hidden_size}, heads {v.num_heads}, full attention at "
+             f"{list(v.fullatt_block_indexes)}"),
+            ("language model + lm_head", LANGUAGE.num_parameters(model_cfg),
+             f"layers {t.num_hidden_layers}, hidden {t.hidden_size}, heads {t.num_attention_heads}/"
+             f"{t.num_key_value_heads} kv, vocab {t.vocab_size}, tied {t.tie_word_embeddings}"),
+        ]
+
+    def processor(self, data_cfg: Any, tokenizer: Any, model_cfg: Qwen2_5_VLConfig) -> Any:
+        """Images and video clips as Qwen2.5-VL's processor turns them into patches, and M-RoPE positions."""
+        from dhp.models.qwen2_5_vl.processor import Qwen2_5_VLProcessor
+
+        return Qwen2_5_VLProcessor(data_cfg, tokenizer, model_cfg)
+
+    def synthetic_sample(self, model_cfg: Qwen2_5_VLConfig, media_tokens: dict[str, int], text_tokens: int,
+                         index: int = 0) -> Any:
+        """One image of ``media_tokens["vision"]`` patches and ``text_tokens`` text tokens (``synthetic.py``)."""
+        from dhp.models.qwen2_5_vl.synthetic import synthetic_sample
+
+        return synthetic_sample(model_cfg, media_tokens, text_tokens, index)
+
+    def demo_data(self) -> Path:
+        """The digits demo set (generated once into the cache)."""
+        from dhp.data.demo import ensure_demo_dataset
+
+        return ensure_demo_dataset()
+
+    def full_model(self, model_cfg: Qwen2_5_VLConfig, state: dict[str, torch.Tensor]) -> Qwen2_5_VL:
+        model = Qwen2_5_VL(model_cfg)
+        load_into(model, dict(state), source="trained weights")
+        return model
+
+    weights = WEIGHTS  # HF names (fused q/k/v and gate/up), tied embeddings, config.json (weights.py)
+
+
+def check_tokenizer(model_cfg: Any, tok: Any, tokens: dict[str, int]) -> None:
+    """Raises ValueError naming the key when the tokenizer does not fit the model (vocabulary, token ids)."""
     if tok.vocab_size > model_cfg.text.vocab_size:
         raise ValueError(f"data.tokenizer: {tok.path} has {tok.vocab_size} tokens but the model's vocabulary has "
                          f"{model_cfg.text.vocab_size}; use the model's own tokenizer")
@@ -306,55 +308,6 @@ def model_config(cfg: Any, tok: Any) -> Qwen2_5_VLConfig:
         if getattr(model_cfg, name) != tid:
             raise ValueError(f"data.tokenizer: {tok.path} gives {name}={tid} but the model expects "
                              f"{getattr(model_cfg, name)}; use the model's own tokenizer")
-    return model_cfg
 
 
-def full_model(model_cfg: Qwen2_5_VLConfig, state: dict[str, torch.Tensor]) -> Qwen2_5_VL:
-    model = Qwen2_5_VL(model_cfg)
-    load_into(model, dict(state), source="trained weights")
-    return model
-
-
-def save_hf(model: nn.Module, out: Path) -> None:
-    save_hf_checkpoint(model, out)
-
-
-def describe(model_cfg: Qwen2_5_VLConfig) -> list[tuple[str, int, str]]:
-    with torch.device("meta"):
-        vision, text = build_vision(model_cfg), build_text(model_cfg)
-    v, t = model_cfg.vision, model_cfg.text
-    return [
-        ("vision encoder + merger", count_parameters(vision),
-         f"depth {v.depth}, hidden {v.hidden_size}, heads {v.num_heads}, full attention at "
-         f"{list(v.fullatt_block_indexes)}"),
-        ("language model + lm_head", count_parameters(text),
-         f"layers {t.num_hidden_layers}, hidden {t.hidden_size}, heads {t.num_attention_heads}/"
-         f"{t.num_key_value_heads} kv, vocab {t.vocab_size}, tied {t.tie_word_embeddings}"),
-    ]
-
-
-def demo_data() -> Path:
-    """The digits demo set (generated once into the cache)."""
-    from dhp.data.demo import ensure_demo_dataset
-
-    return ensure_demo_dataset()
-
-
-FAMILY = FamilySpec(
-    name="qwen2_5_vl",
-    encoders=(VISION,),
-    language=LANGUAGE,
-    hf_model_types=("qwen2_5_vl",),
-    presets=("tiny", "3b", "7b", "32b", "72b"),
-    model_config=model_config,
-    load_hf_state=load_hf_state_dict,
-    full_model=full_model,
-    save_hf=save_hf,
-    describe=describe,
-    hf_key=dhp_to_hf_key,
-    hf_config=lambda model_cfg, dtype: model_cfg.to_hf_dict() | {"dtype": str(dtype).removeprefix("torch.")},
-    tied=lambda model_cfg: ({"language.lm_head.weight": "language.embed_tokens.weight"}
-                            if model_cfg.text.tie_word_embeddings else {}),
-    preset_config=lambda name: read_hf_config(name) if Path(name).is_dir() else preset(name),
-    demo_data=demo_data,
-)
+FAMILY = Qwen2_5_VLFamily()

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dhp.data.mrope import rope_index
 from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig
+from dhp.models.qwen2_5_vl.mrope import rope_index
 from dhp.models.qwen2_5_vl.text import TextModel
 from dhp.models.qwen2_5_vl.vision import VisionTransformer, init_rule
 from dhp.parallel.materialize import init_by_name
@@ -91,7 +91,7 @@ class Qwen2_5_VL(nn.Module):
 
     def sample_logits(self, input_ids: torch.Tensor, sample, media) -> torch.Tensor:
         """Logits [1, L, V] of ``input_ids`` [1, L] (a prefix of ``sample``'s ids, or its continuation)."""
-        grid = sample.image_grid_thw if sample.num_patches else None
+        grid = sample.image_grid_thw if sample.image_grid_thw.shape[0] else None
         videos = getattr(sample, "video_grid_thw", None)
         seconds = getattr(sample, "second_per_grid_ts", None)
         return self.language(input_ids, self.position_ids(input_ids, grid, videos, seconds), media)

@@ -10,15 +10,14 @@ Plans are data, ``{module path: ParallelStyle}``, applied with PyTorch's
 ``parallelize_module`` (DTensor) by short functions, as in torchtitan:
 
 text, per decoder layer
-    q/k/v          ColwiseParallel          (each rank: whole heads)
-    gate_up        FusedColwise: the fused [2I, D] weight is [gate; up] on its rows; its rows are re-ordered so
-                   that rank r holds [its gate rows; its up rows] (Megatron's layout), not a slice across the
-                   concatenation
+    qkv            FusedColwise((H*hd, KV*hd, KV*hd)): the fused [(H + 2 KV) hd, D] weight is [q; k; v] on its
+                   rows (unequal parts: GQA); its rows are re-ordered so that rank r holds [its q heads; its k
+                   heads; its v heads] (Megatron's layout), not a slice across the concatenation
+    gate_up        FusedColwise((I, I)): the fused [2I, D] weight [gate; up], rank r holding [its gate rows; its
+                   up rows]
     o/down         RowwiseParallel          (all-reduce back to a full activation)
-    self_attn      ``replicated_input``: q/k/v take one shared Replicate DTensor, so their input gradients are
-                   summed as DTensors and all-reduced once, as with Megatron's fused qkv weight; the fused
-                   gate_up reduces its one input gradient by itself: 4 all-reduces per layer and step (2
-                   forward, 2 backward), not 7
+    each fused projection reduces its one input gradient: 4 all-reduces per layer and step (2 forward, 2
+    backward), not 7 as with q, k, v, gate and up apart
 text, top level
     embed_tokens   VocabParallelEmbedding: the [V, D] table sharded on the vocabulary (Shard(0)), each rank looks
                    up its own rows on the local shard and one all-reduce (forward only) makes the output a full
@@ -27,7 +26,7 @@ text, top level
     lm_head        ColwiseParallel(output Shard(-1), DTensor out): logits stay sharded on the vocabulary and
                    ``TextModel.loss_sum`` takes a vocab-parallel cross entropy (``dhp.parallel.tensor``)
 vision, per block
-    attn.qkv       FusedQKVColwise: the fused [3C, C] weight is (3, heads, head_dim) on its rows; its rows are
+    attn.qkv       FusedColwise((C, C, C)): the fused [3C, C] weight is [q; k; v] on its rows; its rows are
                    re-ordered so that rank r holds q, k and v of heads [r*H/tp, (r+1)*H/tp)
     attn.proj      RowwiseParallel;   mlp gate_up FusedColwise (as in text), down Rowwise:
                    4 all-reduces per block and step (2 forward, 2 backward)
@@ -55,9 +54,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dhp.models.layers import Segments, compute_dtype
-from dhp.models.qwen2_5_vl.text import TextModel
+from dhp.models.layers import compute_dtype
+from dhp.models.qwen2_5_vl.config import TextConfig, VisionConfig
+from dhp.models.qwen2_5_vl.text import TextModel, text_qkv_sizes
 from dhp.models.qwen2_5_vl.vision import VisionTransformer
+from dhp.ops.attention import Segments
 from dhp.parallel.tensor import check_tp, check_vision_tp, shard_range
 
 
@@ -129,28 +130,13 @@ def text_top_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def replicated_input(*extra: None) -> PrepareModuleInput:
-    """Make a module's first input one ``Replicate`` DTensor shared by all its column-parallel projections.
-
-    Each ``ColwiseParallel`` wrapping a plain tensor gets its own ``from_local`` and all-reduces its own input
-    gradient in backward: q, k and v would reduce 3 times, gate and up twice. Handed one DTensor instead, the
-    projections' input gradients (each ``Partial``) are summed by autograd as DTensors and reduced once, where
-    the module's input leaves DTensor (Megatron gets the same from a fused qkv / gate-up weight). Parameter names
-    are unchanged: this is a forward pre-hook on the parent. ``extra``: ``None`` per further positional input."""
-    return PrepareModuleInput(
-        input_layouts=(Replicate(), *extra), desired_input_layouts=(Replicate(), *extra), use_local_output=False
-    )
-
-
-def text_layer_plan(intermediate_size: int) -> dict[str, ParallelStyle]:
-    """Per decoder layer: 2 all-reduces forward (o, down) and 2 backward (attention input, MLP input)."""
+def text_layer_plan(cfg: TextConfig) -> dict[str, ParallelStyle]:
+    """Per decoder layer: 2 all-reduces forward (o, down) and 2 backward (the fused qkv's input, the fused
+    gate/up's)."""
     return {
-        "self_attn": replicated_input(None, None),  # (x, rope, cu_seqlens): q/k/v share one input gradient
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.qkv_proj": FusedColwise(text_qkv_sizes(cfg)),  # one matmul, one input gradient
         "self_attn.o_proj": RowwiseParallel(),
-        "mlp.gate_up_proj": FusedColwise((intermediate_size, intermediate_size)),  # one input gradient
+        "mlp.gate_up_proj": FusedColwise((cfg.intermediate_size, cfg.intermediate_size)),  # one input gradient
         "mlp.down_proj": RowwiseParallel(),
     }
 
@@ -164,20 +150,18 @@ def text_sp_top_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def text_sp_layer_plan(intermediate_size: int) -> dict[str, ParallelStyle]:
+def text_sp_layer_plan(cfg: TextConfig) -> dict[str, ParallelStyle]:
     """Megatron SP: norms (and the residual stream) on a sequence shard, attention/MLP on the whole sequence."""
     return {
         "input_layernorm": SequenceParallel(),
         "self_attn": PrepareModuleInput(
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
         ),
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.qkv_proj": FusedColwise(text_qkv_sizes(cfg)),
         "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
         "post_attention_layernorm": SequenceParallel(),
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.gate_up_proj": FusedColwise((intermediate_size, intermediate_size)),
+        "mlp.gate_up_proj": FusedColwise((cfg.intermediate_size, cfg.intermediate_size)),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
     }
 
@@ -236,11 +220,10 @@ def parallelize_text(model: TextModel, tp_mesh: DeviceMesh, sequence_parallel: b
     tp = _tp_size(tp_mesh)
     check_tp(model.cfg.num_key_value_heads, tp)
     tied = model.lm_head.weight is model.embed_tokens.weight
-    inter = model.cfg.intermediate_size
     if sequence_parallel:
-        top, layer_plan = text_sp_top_plan(), text_sp_layer_plan(inter)
+        top, layer_plan = text_sp_top_plan(), text_sp_layer_plan(model.cfg)
     else:
-        top, layer_plan = text_top_plan(), text_layer_plan(inter)
+        top, layer_plan = text_top_plan(), text_layer_plan(model.cfg)
     parallelize_module(model, tp_mesh, top)
     for layer in model.layers:
         parallelize_module(layer, tp_mesh, layer_plan)
@@ -264,19 +247,7 @@ def _reduce_partial_grad(param: torch.Tensor) -> None:
         param.grad = grad.redistribute(placements=[Replicate()])
 
 
-# ---- vision encoder (uniform-TP baseline) -----------------------------------------------------------------------
-def qkv_rows_to_rank_order(t: torch.Tensor, num_heads: int, tp: int) -> torch.Tensor:
-    """Rows of a fused qkv weight/bias from (3, H, hd) order to (tp, 3, H/tp, hd): rank r's rows contiguous."""
-    rest = t.shape[1:]
-    return t.reshape(3, tp, num_heads // tp, -1, *rest).transpose(0, 1).reshape(t.shape)
-
-
-def qkv_rows_from_rank_order(t: torch.Tensor, num_heads: int, tp: int) -> torch.Tensor:
-    """Inverse of ``qkv_rows_to_rank_order`` (for a gathered weight or gradient, e.g. to save a checkpoint)."""
-    rest = t.shape[1:]
-    return t.reshape(tp, 3, num_heads // tp, -1, *rest).transpose(0, 1).reshape(t.shape)
-
-
+# ---- fused projections (text qkv and gate/up, vision qkv and gate/up) -------------------------------------------
 def rows_to_rank_order(t: torch.Tensor, sizes: Sequence[int], tp: int) -> torch.Tensor:
     """Rows of a fused weight/bias ``[part 0; part 1; ...]`` (``sizes`` rows each, unequal allowed) to rank order
     ``[rank 0: its rows of part 0; of part 1; ...][rank 1: ...]``: what each TP rank's contiguous ``Shard(0)``
@@ -319,36 +290,13 @@ class FusedColwise(ColwiseParallel):
             module.register_parameter(pname, dist_param)
 
 
-class FusedQKVColwise(ColwiseParallel):
-    """ColwiseParallel for a fused qkv Linear whose output rows are (3, heads, head_dim).
-
-    Plain ``Shard(0)`` would give rank 0 the q rows of all heads only. The rows are first re-ordered by
-    ``qkv_rows_to_rank_order``, so each rank's contiguous shard is (3, H/tp, head_dim): q, k and v of its own
-    heads, and the attention's ``view(seq, 3, heads, -1)`` works unchanged with the local head count.
-    The DTensor's *global* row order is therefore the rank order (undo with ``qkv_rows_from_rank_order``).
-    """
-
-    def __init__(self, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        tp = device_mesh.size()
-        for pname, param in module.named_parameters(recurse=False):
-            data = qkv_rows_to_rank_order(param.detach(), self.num_heads, tp)
-            dist_param = nn.Parameter(
-                distribute_tensor(data, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
-                requires_grad=param.requires_grad,
-            )
-            module.register_parameter(pname, dist_param)
-
-
-def vision_block_plan(num_heads: int, intermediate_size: int) -> dict[str, ParallelStyle]:
+# ---- vision encoder (uniform-TP baseline) -----------------------------------------------------------------------
+def vision_block_plan(cfg: VisionConfig) -> dict[str, ParallelStyle]:
     """Per block: 2 all-reduces forward (proj, down) and 2 backward (the fused qkv's input, the fused gate/up's)."""
     return {
-        "attn.qkv": FusedQKVColwise(num_heads),
+        "attn.qkv": FusedColwise((cfg.hidden_size,) * 3),  # [q; k; v]: each rank q, k and v of its own heads
         "attn.proj": RowwiseParallel(),
-        "mlp.gate_up_proj": FusedColwise((intermediate_size, intermediate_size)),
+        "mlp.gate_up_proj": FusedColwise((cfg.intermediate_size, cfg.intermediate_size)),
         "mlp.down_proj": RowwiseParallel(),
     }
 
@@ -360,5 +308,5 @@ def parallelize_vision_tp(model: VisionTransformer, tp_mesh: DeviceMesh) -> None
     heads = model.cfg.num_heads
     check_vision_tp(heads, tp)
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, vision_block_plan(heads, model.cfg.intermediate_size))
+        parallelize_module(block, tp_mesh, vision_block_plan(model.cfg))
         block.attn.num_heads = heads // tp  # the attention views the local qkv output with the local head count

@@ -23,23 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from dhp.models.layers import (
-    RMSNorm,
-    Segments,
-    SwiGLU,
-    apply_rotary,
-    compute_dtype,
-    has_values,
-    packed_attention,
-)
+from dhp.models.layers import RMSNorm, SwiGLU, apply_rotary, compute_dtype
 from dhp.models.loss import chunked_linear_cross_entropy_sum
 from dhp.models.qwen2_5_vl.config import TextConfig
+from dhp.ops.attention import Segments, has_values, packed_attention
 from dhp.parallel.tensor import vocab_parallel_cross_entropy_sum
 
 if TYPE_CHECKING:
     from dhp.data.batch import PackedMeta
 
-Media = torch.Tensor | dict[int, torch.Tensor | None] | None  # image embeddings, or {placeholder id: embeddings}
+# image embeddings, or {placeholder id: embeddings, or (embeddings, their flat positions): a sequence slice's}
+Media = torch.Tensor | dict[int, torch.Tensor | tuple[torch.Tensor | None, torch.Tensor] | None] | None
 
 
 class MRotary(nn.Module):
@@ -67,24 +61,34 @@ class MRotary(nn.Module):
         return emb.cos(), emb.sin()
 
 
+def text_qkv_sizes(cfg: TextConfig) -> tuple[int, int, int]:
+    """Rows of q, k and v in a decoder layer's fused ``qkv_proj`` (GQA: k and v have fewer heads)."""
+    hd = cfg.head_dim
+    return cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd
+
+
 class Attention(nn.Module):
+    """GQA attention (qkv bias, M-RoPE) with one fused ``qkv_proj``: rows ``[q (H*hd); k (KV*hd); v (KV*hd)]``,
+    one matmul for the three (HF keeps ``q_proj``, ``k_proj``, ``v_proj``: the weight adapter maps them). Under
+    text TP the rows are rank-ordered (``FusedColwise``): each rank's local output is ``[its q; its k; its v]``
+    heads, in the same proportion, so the head counts come from the local width."""
+
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=True)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=True)
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(text_qkv_sizes(cfg)), bias=True)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: Segments | torch.Tensor
     ) -> torch.Tensor:
         b, seq, _ = x.shape
-        # head counts come from the (possibly tensor-parallel, i.e. local) projection widths
-        q = self.q_proj(x).view(b * seq, -1, self.head_dim)
-        k = self.k_proj(x).view(b * seq, -1, self.head_dim)
-        v = self.v_proj(x).view(b * seq, -1, self.head_dim)
+        qkv = self.qkv_proj(x)  # [B, L, (Hq + 2 Hkv) * hd]; the local heads under tensor parallelism
+        heads = qkv.shape[-1] // self.head_dim
+        kv = heads // (self.num_heads // self.num_kv_heads + 2)  # Hq = group * Hkv on every rank
+        q, k, v = qkv.view(b * seq, heads, self.head_dim).split([heads - 2 * kv, kv, kv], dim=1)
         cos, sin = (r.reshape(b * seq, -1) for r in rope)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = packed_attention(q, k, v, cu_seqlens, causal=True)  # [B*L, H, hd]
@@ -136,7 +140,13 @@ class TextModel(nn.Module):
         image embeddings (placed at ``image_token_id``). Every placeholder must get exactly one embedding.
         ``placeholders``: ``{token id: flat positions [n]}`` on the host (``PackedMeta.placeholders``): the counts
         are checked and the embeddings copied there with no read of the device; without it they are found on the
-        ids (a host read of the device's ids per placeholder id)."""
+        ids (a host read of the device's ids per placeholder id).
+
+        Under Megatron sequence parallelism a rank may hold the embeddings of its own slice of the sequence only:
+        a value of ``media`` is then ``(embeddings [m, D] or None, their flat positions [m] on the host)``, those
+        positions a subset of the id's ``placeholders``. They are placed there, and the id's other slots are
+        zeroed: the first layer keeps this rank's slice only, so their values are never read, and zero keeps the
+        embedding table's gradient at every placeholder slot zero, as when all are placed."""
         x = self.embed_tokens(input_ids)
         x = x.to(compute_dtype(x))  # the residual stream carries the compute dtype from here (bf16 under autocast)
         if media is None or isinstance(media, torch.Tensor):
@@ -144,6 +154,9 @@ class TextModel(nn.Module):
         if self.image_token_id not in media:
             media = {self.image_token_id: None, **media}
         for token_id, embeds in media.items():
+            if isinstance(embeds, tuple):
+                x = _place_slice(x, embeds, (placeholders or {}).get(token_id), token_id)
+                continue
             n_embeds = 0 if embeds is None else embeds.shape[0]
             if placeholders is not None and token_id in placeholders:
                 rows = placeholders[token_id]
@@ -250,6 +263,23 @@ def labelled_rows(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     local = full.to_local()
     picked = local.reshape(-1, local.shape[-1]).index_select(0, rows)
     return DTensor.from_local(picked, full.device_mesh, full.placements, run_check=False)
+
+
+def _place_slice(x: torch.Tensor, part: tuple[torch.Tensor | None, torch.Tensor], slots: torch.Tensor | None,
+                 token_id: int) -> torch.Tensor:
+    """``x`` [B, L, D] with placeholder id ``token_id``'s slots ``slots`` (host flat positions) zeroed and
+    ``part`` = (embeddings [m, D] or None, their flat positions [m], host) copied in: a rank's own slice."""
+    embeds, positions = part
+    if slots is None:
+        raise ValueError(f"embeddings of a sequence slice for placeholder id {token_id} need the batch's placeholder "
+                         "positions (PackedMeta.placeholders)")
+    _check_slots(int(positions.numel()), 0 if embeds is None else embeds.shape[0], token_id)
+    if not slots.numel():
+        return x
+    flat = x.reshape(-1, x.shape[-1]).index_fill(0, slots.to(x.device), 0)
+    if positions.numel():
+        flat = flat.index_copy(0, positions.to(x.device), embeds.to(x.dtype))
+    return flat.view(x.shape)
 
 
 def _check_slots(n_slots: int, n_embeds: int, token_id: int) -> None:

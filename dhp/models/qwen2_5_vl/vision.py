@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dhp.models.layers import RMSNorm, Segments, SwiGLU, apply_rotary, host_metadata, packed_attention
+from dhp.models.layers import RMSNorm, SwiGLU, apply_rotary
 from dhp.models.qwen2_5_vl.config import VisionConfig
+from dhp.ops.attention import Segments, host_metadata, packed_attention
 from dhp.parallel.ulysses import UlyssesSegments
 
 

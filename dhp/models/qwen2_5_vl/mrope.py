@@ -1,4 +1,4 @@
-"""M-RoPE position ids of Qwen2.5-VL.
+"""M-RoPE position ids of Qwen2.5-VL (the data side computes them per sample: ``Qwen2_5_VLProcessor``).
 
 Text tokens advance all three axes (t, h, w) together by one. A vision block of
 ``t x h x w`` merged tokens starts at the current position p: its tokens get

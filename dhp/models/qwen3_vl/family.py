@@ -1,0 +1,230 @@
+"""Qwen3-VL (dense) as a dhp model family: a vision encoder with DeepStack mergers feeding a language model.
+
+Everything the runtime needs to know about Qwen3-VL is here (``FAMILY``): how each module is built and
+parallelized, where its weights live, which placeholders it fills and what a sample costs it (``flops.py``).
+
+DeepStack through the runtime: the vision module's ``encode`` emits one tensor per placeholder token,
+``[n, (1 + K) * D]`` (the merged embedding, then the K DeepStack features: ``vision.pack``), and the language
+module takes exactly that in its ``media`` dict and splits it (``text.TextModel.split_media``). So the router
+moves one tensor per sample, as for Qwen2.5-VL, and the gradients of all K + 1 parts come back in it.
+
+Layouts built: data parallel, ZeRO-1, ZeRO-3 / FSDP2 and activation checkpointing on both modules (the
+``Module`` defaults: checkpointing and FSDP2 units over ``blocks`` / ``layers``), and vision Ulysses SP
+(``sequence_parallel.py``). Not yet: vision TP and text TP (not in ``inner``, so the config refuses them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dhp.models.qwen3_vl.config import PRESET_PREFIX, PRESETS, Qwen3VLConfig, preset
+from dhp.models.qwen3_vl.flops import text_sample_flops, vision_sample_flops
+from dhp.models.qwen3_vl.model import Qwen3VL
+from dhp.models.qwen3_vl.text import TextModel
+from dhp.models.qwen3_vl.vision import VisionTransformer, reset_rotary_buffers
+from dhp.models.qwen3_vl.weights import WEIGHTS, load_into, read_hf_config
+from dhp.models.spec import Encoder, Family, LanguageModel, ParallelizeOptions, SampleInfo
+from dhp.ops.attention import host_metadata
+from dhp.parallel.tensor import heads_problem
+
+VISION_STEP = 8  # vision blocks per depth step of the planner's shallow copies
+TEXT_STEP = 8
+WHOLE_BELOW = 24  # a stack this deep or shallower is measured whole
+
+
+def depth_variants(module_name: str, model_cfg: Qwen3VLConfig) -> tuple[list[Any], float] | None:
+    """Two shallower configs of the module (one and two depth steps) and the whole depth in steps; None: measure
+    it whole. Both shallow vision copies keep every DeepStack merger (at the first blocks), so the mergers fall
+    in the line's intercept and the steps differ by blocks only."""
+    if module_name == "text":
+        n = model_cfg.text.num_hidden_layers
+        if n <= WHOLE_BELOW:
+            return None
+        return [replace(model_cfg, text=replace(model_cfg.text, num_hidden_layers=k * TEXT_STEP)) for k in (1, 2)], \
+            n / TEXT_STEP
+    v = model_cfg.vision
+    if v.depth <= WHOLE_BELOW or len(v.deepstack_visual_indexes) > VISION_STEP:
+        return None
+    levels = tuple(range(len(v.deepstack_visual_indexes)))
+    small = [replace(model_cfg, vision=replace(v, depth=k * VISION_STEP, deepstack_visual_indexes=levels))
+             for k in (1, 2)]
+    return small, v.depth / VISION_STEP
+
+
+# ---- vision encoder -----------------------------------------------------------------------------------
+
+
+class Vision(Encoder):
+    """The vision encoder, its merger and DeepStack mergers: images and video frames into packed vision tokens."""
+
+    name = "vision"
+    weight_prefix = "visual"
+    seed_offset = 0
+    inner = ("sp",)
+    projector_prefixes = ("merger.", "deepstack_merger_list.")
+    forward_methods = ("encode_rows",)
+    modalities = ("image", "video")
+
+    def build(self, model_cfg: Qwen3VLConfig) -> VisionTransformer:
+        return VisionTransformer(model_cfg.vision)
+
+    def reset_buffers(self, module: nn.Module) -> None:
+        reset_rotary_buffers(module)
+
+    def set_train_options(self, module: VisionTransformer, train: Any) -> None:
+        module.attention_kernel = train.attention
+
+    def placeholder_ids(self, model_cfg: Qwen3VLConfig) -> tuple[int, ...]:
+        return (model_cfg.image_token_id, model_cfg.video_token_id)  # images' embeddings first, then videos'
+
+    def check_layout(self, model_cfg: Qwen3VLConfig, sp: int, tp: int) -> str | None:
+        return heads_problem("vision.parallel.sp", sp, model_cfg.vision.num_heads, "vision heads")
+
+    def parallelize(self, module: VisionTransformer, par: Any, opts: ParallelizeOptions) -> None:
+        """1. Ulysses SP (every block all-to-alls), 2.-3. the defaults: activation checkpointing, FSDP2."""
+        if par.inner_kind == "sp":
+            from dhp.models.qwen3_vl.sequence_parallel import parallelize_vision_sp
+
+            parallelize_vision_sp(module, par.inner_group)
+        super().parallelize(module, par, opts)
+
+    def flops(self, info: SampleInfo, model_cfg: Qwen3VLConfig) -> tuple[float, float]:
+        return vision_sample_flops(info, model_cfg)
+
+    def depth_variants(self, model_cfg: Qwen3VLConfig) -> tuple[list[Any], float] | None:
+        return depth_variants(self.name, model_cfg)
+
+    def encode(self, module: VisionTransformer, samples: list, par: Any,
+               device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (packed embeddings [n, (1 + K) * D] of this rank's vision tokens, their index among the batch's
+        (host): all of them in order, or under SP this rank's contiguous slice.
+
+        Each sample's inputs in the family's order: its images, then its video clips."""
+        patch_dim = module.cfg.patch_dim
+        pixels = torch.cat([torch.zeros(0, patch_dim)] + [p for s in samples for p in (
+            s.pixel_values, s.pixel_values_videos)]).to(device)
+        with host_metadata():
+            grid = torch.cat([torch.zeros(0, 3, dtype=torch.long)] + [g for s in samples for g in (
+                s.image_grid_thw, s.video_grid_thw)])
+        if par is None or par.inner_kind != "sp":
+            out = module(pixels, grid)
+            with host_metadata():
+                return out, torch.arange(out.shape[0])
+        from dhp.models.qwen3_vl.sequence_parallel import shard_vision, sp_forward
+
+        with host_metadata():
+            shard = shard_vision(grid.cpu(), module.cfg, par.config.sp)[par.inner_rank]
+        return sp_forward(module, pixels, shard, par.inner_group), shard.merged_index
+
+
+VISION = Vision()
+
+
+# ---- language model -----------------------------------------------------------------------------------
+
+
+class Text(LanguageModel):
+    """The language model and its head; DeepStack features arrive packed with the vision embeddings."""
+
+    name = "text"
+    weight_prefix = "language"
+    seed_offset = 1
+    inner = ()
+
+    def build(self, model_cfg: Qwen3VLConfig) -> TextModel:
+        return TextModel(model_cfg.text, model_cfg.image_token_id, model_cfg.deepstack_levels)
+
+    def reset_buffers(self, module: nn.Module) -> None:
+        reset_rotary_buffers(module)
+
+    def set_train_options(self, module: TextModel, train: Any) -> None:
+        module.attention_kernel = train.attention
+        module.loss_chunk_tokens = train.loss_chunk_tokens
+
+    def flops(self, info: SampleInfo, model_cfg: Qwen3VLConfig) -> tuple[float, float]:
+        return text_sample_flops(info, model_cfg)
+
+    def depth_variants(self, model_cfg: Qwen3VLConfig) -> tuple[list[Any], float] | None:
+        return depth_variants(self.name, model_cfg)
+
+
+LANGUAGE = Text()
+
+
+# ---- the whole model ----------------------------------------------------------------------------------
+
+
+class Qwen3VLFamily(Family):
+    """Qwen3-VL (dense 2B/4B/8B/32B): one vision encoder (images and video, DeepStack) feeding the language model."""
+
+    name = "qwen3_vl"
+    encoders = (VISION,)
+    language = LANGUAGE
+    hf_model_types = ("qwen3_vl",)
+    presets = tuple(PRESET_PREFIX + k for k in PRESETS)
+    weights = WEIGHTS  # HF names (fused q/k/v and gate/up), tied embeddings, config.json (weights.py)
+
+    def model_config(self, cfg: Any, tok: Any) -> Qwen3VLConfig:
+        """From ``model.hf_path``'s config.json, or a preset with the tokenizer's token ids."""
+        from dhp.models.qwen2_5_vl.family import check_tokenizer
+        from dhp.models.qwen2_5_vl.processor import vision_token_ids  # the same spellings as Qwen2.5-VL's
+
+        tokens = vision_token_ids(tok)
+        if cfg.model.hf_path:
+            model_cfg = read_hf_config(cfg.model.hf_path)
+        elif cfg.model.preset.removeprefix(PRESET_PREFIX) == "tiny":
+            from dhp.models.qwen3_vl.config import tiny
+
+            model_cfg = tiny(vocab_size=64 * math.ceil(tok.vocab_size / 64), **tokens)
+        else:
+            model_cfg = preset(cfg.model.preset).with_tokens(**tokens)
+        check_tokenizer(model_cfg, tok, tokens)
+        return model_cfg
+
+    def preset_config(self, name: str) -> Qwen3VLConfig:
+        return read_hf_config(name) if Path(name).is_dir() else preset(name)
+
+    def describe(self, model_cfg: Qwen3VLConfig) -> list[tuple[str, int, str]]:
+        v, t = model_cfg.vision, model_cfg.text
+        return [
+            ("vision encoder + mergers", VISION.num_parameters(model_cfg),
+             f"depth {v.depth}, hidden {v.hidden_size}, heads {v.num_heads}, DeepStack at "
+             f"{list(v.deepstack_visual_indexes)}"),
+            ("language model + lm_head", LANGUAGE.num_parameters(model_cfg),
+             f"layers {t.num_hidden_layers}, hidden {t.hidden_size}, heads {t.num_attention_heads}/"
+             f"{t.num_key_value_heads} kv x {t.head_dim}, vocab {t.vocab_size}, tied {t.tie_word_embeddings}"),
+        ]
+
+    def processor(self, data_cfg: Any, tokenizer: Any, model_cfg: Qwen3VLConfig) -> Any:
+        """Images and videos (timestamps as text before each frame pair) as Qwen3VLProcessor, and M-RoPE."""
+        from dhp.models.qwen3_vl.processor import Qwen3VLProcessor
+
+        return Qwen3VLProcessor(data_cfg, tokenizer, model_cfg)
+
+    def synthetic_sample(self, model_cfg: Qwen3VLConfig, media_tokens: dict[str, int], text_tokens: int,
+                         index: int = 0) -> Any:
+        """One image of ``media_tokens["vision"]`` patches and ``text_tokens`` text tokens (Qwen2.5-VL's shape
+        rules: the same merge and placeholder layout)."""
+        from dhp.models.qwen2_5_vl.synthetic import synthetic_sample
+
+        return synthetic_sample(model_cfg, media_tokens, text_tokens, index)
+
+    def demo_data(self) -> Path:
+        """The digits demo set (its tokenizer has the Qwen vision tokens Qwen3-VL uses)."""
+        from dhp.data.demo import ensure_demo_dataset
+
+        return ensure_demo_dataset()
+
+    def full_model(self, model_cfg: Qwen3VLConfig, state: dict[str, torch.Tensor]) -> Qwen3VL:
+        model = Qwen3VL(model_cfg)
+        load_into(model, dict(state), source="trained weights")
+        return model
+
+
+FAMILY = Qwen3VLFamily()

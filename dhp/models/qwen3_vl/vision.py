@@ -1,0 +1,247 @@
+"""The Qwen3-VL vision encoder, top to bottom.
+
+pixel_values [N, C*T*P*P] (N patches of all images/frames, each in 2x2 merge-block order, P = 16)
+  -> patch_embed (Conv3d with bias, as one linear map)          [N, C_v]
+  -> + learned position embeddings, a square table resampled bilinearly (align_corners) to each grid
+  -> blocks x depth: LayerNorm, full attention within each frame (2D rotary on q/k), LayerNorm, GELU-tanh MLP
+       after block ``deepstack_visual_indexes[i]``: DeepStack merger i (LayerNorm over the 2x2 group) -> feature i
+  -> merger (LayerNorm, 2x2 -> 1, MLP)                          [N/4, D_text]
+
+Why no window permutation (unlike Qwen2.5-VL): every block attends over a whole image or frame, so tokens stay in
+image order and the only segments are frames. ``forward`` returns the main embeddings and the DeepStack features
+side by side in one tensor ``[N/4, (1 + K) * D]`` (``pack``): one tensor per sample, so a router that moves one
+embedding tensor per sample moves the DeepStack features and brings their gradients back with no change;
+``split_deepstack`` takes it apart on the language side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dhp.models.layers import apply_rotary
+from dhp.models.qwen3_vl.config import VisionConfig
+from dhp.ops.attention import Segments, host_metadata, packed_attention
+from dhp.parallel.ulysses import UlyssesSegments
+
+
+@dataclass(frozen=True)
+class VisionLayout:
+    """Host metadata of a packed batch of images/frames, all derived from grid_thw."""
+
+    cu_seqlens: torch.Tensor  # [n_frames + 1] patch boundaries of frames
+    rotary_pos: torch.Tensor  # [N, 2] (h, w) patch coordinates, merge-block order
+    interp_index: torch.Tensor  # [N, 4] rows of the position table each patch interpolates
+    interp_weight: torch.Tensor  # [N, 4] their bilinear weights (float32)
+
+
+def patch_coordinates(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """(row, col) of every patch [N, 2], patches of each frame in merge-block order, frames repeated."""
+    out = []
+    for t, h, w in grid_thw.tolist():
+        hpos = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+        wpos = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+        pos = torch.stack([hpos.transpose(1, 2).reshape(-1), wpos.transpose(1, 2).reshape(-1)], dim=-1)
+        out.append(pos.repeat(t, 1))
+    return torch.cat(out) if out else torch.zeros(0, 2, dtype=torch.long)
+
+
+def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bilinear taps (floor, floor + 1) into a table of ``side`` and their weights, align_corners=True."""
+    src = index.float() * (side - 1) / torch.clamp(size - 1, min=1).float()
+    floor = torch.floor(src)
+    offsets = torch.arange(2)
+    taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+    weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+    return taps, weights
+
+
+def vision_layout(grid_thw: torch.Tensor, cfg: VisionConfig) -> VisionLayout:
+    """Frame boundaries, rotary coordinates and position-table interpolation of images ``grid_thw [I, 3]``."""
+    pos = patch_coordinates(grid_thw, cfg.spatial_merge_size)
+    counts = (grid_thw[:, 0] * grid_thw[:, 1] * grid_thw[:, 2]).long()
+    heights = torch.repeat_interleave(grid_thw[:, 1].long(), counts)
+    widths = torch.repeat_interleave(grid_thw[:, 2].long(), counts)
+    side = cfg.grid_per_side
+    h_taps, h_w = _axis_taps(pos[:, 0], heights, side)
+    w_taps, w_w = _axis_taps(pos[:, 1], widths, side)
+    index = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
+    weight = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
+    frames = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0]).long()
+    return VisionLayout(F.pad(frames.cumsum(0), (1, 0)), pos, index, weight)
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d over (T=2, P, P) patches with stride = kernel (and a bias), i.e. one linear map of each patch."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=True)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [N, C*T*P*P] -> [N, C_v]
+        w = self.proj.weight
+        return F.linear(pixel_values.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
+
+
+class VisionRotary(nn.Module):
+    """2D rotary: half of each head's rotary frequencies follow the row, half the column."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.quarter, self.theta = cfg.head_dim // 2, cfg.rope_theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        return 1.0 / (self.theta ** (torch.arange(0, self.quarter, 2, dtype=torch.float) / self.quarter))
+
+    def reset_buffers(self) -> None:
+        """Recompute ``inv_freq`` (after ``to_empty``): on the CPU, as at construction, then copied in."""
+        with torch.device("cpu"):
+            self.inv_freq.copy_(self._inv_freq())
+
+    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, 2] -> 2 x [N, head_dim]
+        freqs = (pos[..., None].float() * self.inv_freq.float()).flatten(1)  # [N, head_dim/2]: h | w
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, segments: Any, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        seq = x.shape[0]
+        qkv = self.qkv(x)
+        heads = qkv.shape[-1] // (3 * self.head_dim)  # explicit, so an empty slice (S = 0) works too
+        q, k, v = qkv.view(seq, 3, heads, self.head_dim).unbind(1)  # 3 x [S, H, hd]
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = self.attend(q, k, v, segments)  # [S, H, hd]
+        return self.proj(out.reshape(seq, heads * self.head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Any) -> torch.Tensor:
+        """Non-causal attention within frames; the sequence-parallel plan replaces this method (Ulysses)."""
+        return packed_attention(q, k, v, segments, causal=False)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.attn = VisionAttention(cfg)
+        self.mlp = VisionMLP(cfg)
+
+    def forward(self, x: torch.Tensor, segments: Any, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), segments, rope)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """LayerNorm, 2x2 neighbouring patches concatenated, an MLP to the LLM width. The DeepStack mergers take
+    the norm after the concatenation (``postshuffle``: over 4 * C_v), the final merger before it."""
+
+    def __init__(self, cfg: VisionConfig, postshuffle: bool) -> None:
+        super().__init__()
+        self.in_dim = cfg.hidden_size * cfg.merge_unit
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(self.in_dim if postshuffle else cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.linear_fc1 = nn.Linear(self.in_dim, self.in_dim)
+        self.linear_fc2 = nn.Linear(self.in_dim, cfg.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, C_v] -> [N/4, D_text]
+        rows = x.shape[0] // (self.in_dim // x.shape[-1])
+        x = self.norm(x.reshape(rows, self.in_dim)) if self.postshuffle else self.norm(x).reshape(rows, self.in_dim)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class VisionTransformer(nn.Module):
+    """Patches -> ``[N/4, (1 + K) * D]``: the merged embeddings, then the K DeepStack features (``pack``)."""
+
+    attention_kernel: str = "auto"  # packed_attention's kernel (train.attention)
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.rotary = VisionRotary(cfg)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, postshuffle=False)
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(cfg, postshuffle=True) for _ in cfg.deepstack_visual_indexes)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """pixel_values [N, patch_dim], grid_thw [I, 3] -> [N/4, (1 + K) * out_hidden_size], image order."""
+        with host_metadata():
+            layout = vision_layout(grid_thw.cpu().long(), self.cfg)
+        return self.encode(pixel_values, layout)
+
+    def encode_rows(self, pixel_values: torch.Tensor, rows: torch.Tensor, layout: VisionLayout,
+                    segments: UlyssesSegments) -> torch.Tensor:
+        """A sequence-parallel rank's slice: ``pixel_values[rows]`` (whole merge units, image order) with its
+        ``layout`` rows and the batch's ``UlyssesSegments`` -> ``[len(rows)/4, (1 + K) * D]``. One entry point
+        (FSDP registers it as a forward method)."""
+        return self.encode(pixel_values[rows.to(pixel_values.device)], layout, segments)
+
+    def encode(self, pixel_values: torch.Tensor, layout: VisionLayout,
+               segments: UlyssesSegments | None = None) -> torch.Tensor:
+        """Patches [S, patch_dim] with their layout rows -> packed [S/4, (1 + K) * D]; ``segments``: the whole
+        batch's frames and every rank's share (sequence parallel), else ``layout.cu_seqlens``."""
+        x = self.patch_embed(pixel_values)  # [S, C_v]
+        dev = x.device
+        table = self.pos_embed(layout.interp_index.to(dev))  # [N, 4, C_v]
+        pos = (table * layout.interp_weight.to(dev, table.dtype)[:, :, None]).sum(1)
+        x = x + pos.to(x.dtype)
+        rope = self.rotary(layout.rotary_pos.to(dev))
+        if segments is None:
+            segments = Segments.of(layout.cu_seqlens, self.attention_kernel)
+        else:
+            segments = dataclasses.replace(segments, cu_seqlens=Segments.of(segments.cu_seqlens,
+                                                                             self.attention_kernel))
+        levels = {i: n for n, i in enumerate(self.cfg.deepstack_visual_indexes)}
+        features: list[torch.Tensor] = [torch.empty(0)] * len(levels)
+        for i, block in enumerate(self.blocks):
+            x = block(x, segments, rope)
+            if i in levels:
+                features[levels[i]] = self.deepstack_merger_list[levels[i]](x)
+        return pack(self.merger(x), features)
+
+
+def pack(main: torch.Tensor, deepstack: list[torch.Tensor]) -> torch.Tensor:
+    """``[n, D]`` and K x ``[n, D]`` -> ``[n, (1 + K) * D]`` (main first)."""
+    return torch.cat([main, *deepstack], dim=-1) if deepstack else main
+
+
+def split_deepstack(embeds: torch.Tensor, width: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``[n, (1 + K) * width]`` -> (main ``[n, width]``, K x ``[n, width]``); a clear error on a wrong width."""
+    if embeds.shape[-1] % width:
+        raise ValueError(f"vision embeddings of width {embeds.shape[-1]} are not (1 + DeepStack levels) x {width}")
+    main, *deepstack = embeds.split(width, dim=-1)
+    return main, deepstack
+
+
+def reset_rotary_buffers(module: nn.Module) -> None:
+    """Recompute every rotary table in ``module`` (non-persistent buffers that ``to_empty`` leaves empty)."""
+    for m in module.modules():
+        reset = getattr(m, "reset_buffers", None)
+        if callable(reset) and hasattr(m, "inv_freq"):
+            reset()

@@ -1,0 +1,1 @@
+"""Kernels below the model and parallel layers: packed attention and its host metadata."""
