@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 import torch
 
-from dhp.runtime import Mode, ModuleSpec, Runtime, WorkerBase, dispatch, produces_tensors
+from dhp.runtime import GroupSpec, Mode, Runtime, WorkerBase, dispatch, produces_tensors
 
 
 class BenchWorker(WorkerBase):
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="outputs/bench/transfer.json")
     args = ap.parse_args(argv)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    spec = {"vision": ModuleSpec(BenchWorker, 1), "text": ModuleSpec(BenchWorker, 1)}
+    spec = {"vision": GroupSpec(BenchWorker, 1), "text": GroupSpec(BenchWorker, 1)}
     rows = []
     try:
         with Runtime(spec, placement="disaggregated", transport="direct", cpus_per_worker=1.0) as rt:

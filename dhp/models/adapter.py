@@ -4,7 +4,7 @@ Why an object: loading (whole-model and shard-local), HF export (``dhp export``,
 evaluation all need the same few answers about a family's weights: which HF tensors one of our keys is made of
 (several for a fused projection, concatenated on dim 0), how to cut our tensor into them and join them again,
 which keys share storage (tied embeddings) and what ``config.json`` says. A family gives one ``WeightAdapter``
-(``FamilySpec.weights``); generic code calls its methods and never asks whether a hook is set: the base class
+(``Family.weights``); generic code calls its methods and never asks whether a hook is set: the base class
 itself is the adapter of a family that has none, and every HF method raises a ``ConfigError`` saying so.
 
 ``RuleAdapter`` is the adapter given as data (renaming rules on both sides, the fused parameters, the checkpoint

@@ -34,6 +34,11 @@ def register_family(family: Family) -> Family:
     return family
 
 
+def builtin_names() -> list[str]:
+    """The families dhp ships: every process finds them by name (a registered plugin only where it registered)."""
+    return sorted(_BUILTIN)
+
+
 def family_names() -> list[str]:
     return sorted(set(_BUILTIN) | set(_registered))
 

@@ -213,14 +213,15 @@ def _run(args: tuple[GroupJob, Any, Any]) -> GroupResult:
 
 
 def family_ref(family: Any) -> str | None:
-    """A name that ``get_family`` resolves to ``family`` in a fresh process (a pool's worker): its registry name,
-    or ``module:ATTR`` of the module attribute that holds it; None when there is none."""
+    """A name that ``get_family`` resolves to ``family`` in a fresh process (a pool's worker): a built-in family's
+    name, or ``module:ATTR`` of the module attribute that holds it (a plugin registered in this process only is
+    unknown to a fresh one); None when there is none."""
     import sys
 
-    from dhp.models.registry import UnknownFamily, get_family
+    from dhp.models.registry import UnknownFamily, builtin_names, get_family
 
     try:
-        if get_family(family.name) is family:
+        if family.name in builtin_names() and get_family(family.name) is family:
             return family.name
     except UnknownFamily:
         pass

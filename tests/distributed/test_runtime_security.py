@@ -19,7 +19,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from dhp.runtime import ModuleSpec, Runtime, WorkerBase, WorkerGroup
+from dhp.runtime import GroupSpec, Runtime, WorkerBase, WorkerGroup
 from dhp.runtime.placement import ActorResources
 from dhp.runtime.process_groups import _setup_module_worlds
 
@@ -57,7 +57,7 @@ def _listening_sockets() -> list[tuple[str, int, str, int]]:
 
 def test_single_machine_run_listens_on_loopback_only(ray_cluster: dict) -> None:
     assert ray.util.get_node_ip_address() == "127.0.0.1"
-    modules = {"a": ModuleSpec(TinyWorker, 2), "b": ModuleSpec(TinyWorker, 1)}
+    modules = {"a": GroupSpec(TinyWorker, 2), "b": GroupSpec(TinyWorker, 1)}
     with Runtime(modules, placement="disaggregated", cpus_per_worker=0.25) as rt:
         pending = [rt["a"].sums.submit(), rt["b"].sums.submit()]  # together: the world all-reduce needs every rank
         assert [p.get(timeout_s=60) for p in pending] == [[(2.0, 3.0)] * 2, [(1.0, 3.0)]]

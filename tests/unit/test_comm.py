@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 
@@ -170,7 +172,8 @@ def test_workers_count_collectives_only_where_asked():
     seen = {}
     for flag in (False, True):
         worker = LanguageWorker()
-        worker._set_counting({"cfg": load_config(None, [f"runtime.count_collectives={str(flag).lower()}"])})
+        cfg = load_config(None, [f"runtime.count_collectives={str(flag).lower()}"])
+        worker._set_counting(SimpleNamespace(cfg=cfg))  # the part of EngineInit it reads
         with worker.counting():
             seen[flag] = _get_current_dispatch_mode()
     assert seen[False] is None

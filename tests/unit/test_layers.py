@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.unit.test_family import _all_dhp_imports  # every dhp import of a file, inside functions too
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom to top (docs/design.md, "Layers"). A module may import its own layer and the ones below, never above.
@@ -43,21 +45,6 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(tree: ast.AST, module: str) -> set[str]:
-    """dhp modules imported anywhere in a file (inside functions too), except under ``if TYPE_CHECKING:``."""
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for n in ast.walk(node)}
-    out = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("dhp"):
-            out.add(node.module)
-        elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("dhp"))
-    return out
-
-
 def _sources() -> list[Path]:
     return sorted((ROOT / "dhp").rglob("*.py"))
 
@@ -75,7 +62,7 @@ def test_no_import_runs_up_a_layer():
     for f in _sources():
         module = _module_name(f)
         mine = layer_of(module)
-        for target in _imports(ast.parse(f.read_text()), module):
+        for target in _all_dhp_imports(ast.parse(f.read_text())):
             if layer_of(target) > mine:
                 upward.append(f"{module} ({LAYERS[mine][0]}) imports {target} ({LAYERS[layer_of(target)][0]})")
     assert upward == []
@@ -89,7 +76,7 @@ def test_plan_imports_no_family_and_holds_no_family_constant():
     found = []
     for f in sorted((ROOT / "dhp" / "plan").rglob("*.py")):
         source = f.read_text()
-        found += [f"{f.name} imports {t}" for t in _imports(ast.parse(source), _module_name(f))
+        found += [f"{f.name} imports {t}" for t in _all_dhp_imports(ast.parse(source))
                   if any(t == p or t.startswith(p + ".") for p in families)]
         found += _findings(f.name, source)
     assert found == []

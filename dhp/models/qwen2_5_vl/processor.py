@@ -225,9 +225,16 @@ def process_video(source: Path | list[Path], settings: VideoSettings) -> tuple[t
 
 
 class Images(Media):
-    """Still images: a patch grid from the header, ``pixel_values`` [patches, 1176] and ``image_grid_thw`` [I, 3]."""
+    """Still images: a patch grid from the header, ``pixel_values`` [patches, 1176] and ``image_grid_thw`` [I, 3].
+
+    The patch geometry is four class attributes, so that a family with other patches (Qwen3-VL's 16 px) subclasses
+    it with its own resize and patchify and keeps the rest."""
 
     kind, noun = "image", "image"
+    patch_dim = PATCH_DIM  # values per patch
+    merge_unit = MERGE_UNIT  # patches per placeholder token
+    grid_of = staticmethod(grid_thw_for_size)  # (width, height, min_pixels, max_pixels) -> (t, h, w)
+    process = staticmethod(process_image)  # (PIL image, min_pixels, max_pixels) -> (pixels, grid)
 
     def __init__(self, placeholder: Placeholder, min_pixels: int, max_pixels: int) -> None:
         self.placeholder, self.min_pixels, self.max_pixels = placeholder, min_pixels, max_pixels
@@ -241,23 +248,23 @@ class Images(Media):
             raise MediaError(f"image {source} is unreadable or corrupt ({type(e).__name__}: {e}); replace the "
                              "file") from None
         try:
-            return grid_thw_for_size(width, height, self.min_pixels, self.max_pixels)
+            return self.grid_of(width, height, self.min_pixels, self.max_pixels)
         except ValueError as e:
             raise MediaError(f"image {source}: {e}") from None
 
     def num_tokens(self, fact: tuple[int, int, int]) -> int:
         t, h, w = fact
-        return t * h * w // MERGE_UNIT
+        return t * h * w // self.merge_unit
 
     def decode(self, source: Path, fact: tuple[int, int, int]) -> torch.Tensor:
         with Image.open(source) as img:
-            pixels, grid = process_image(img, self.min_pixels, self.max_pixels)
+            pixels, grid = self.process(img, self.min_pixels, self.max_pixels)
         if tuple(grid.tolist()) != tuple(fact):
             raise MediaError(f"image {source} changed since validation (grid {tuple(grid.tolist())}, {fact} before)")
         return pixels
 
     def collate(self, facts: Sequence[Any], decoded: Sequence[Any] | None) -> dict[str, torch.Tensor]:
-        return {"pixel_values": torch.cat(list(decoded)) if decoded else torch.zeros(0, PATCH_DIM),
+        return {"pixel_values": torch.cat(list(decoded)) if decoded else torch.zeros(0, self.patch_dim),
                 "image_grid_thw": torch.tensor(list(facts), dtype=torch.long).reshape(-1, 3)}
 
     def info(self, facts: Sequence[Any]) -> dict[str, tuple]:

@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from dhp.data.processor import TAGS, Media, MediaError, Placeholder, Processor
+from dhp.data.processor import TAGS, Media, Placeholder, Processor
 from dhp.data.video import VideoError, decode_frames, frame_list_size, is_frame_list, read_header
+from dhp.models.qwen2_5_vl import processor as qwen2_5_vl_processor
 from dhp.models.qwen2_5_vl.processor import MAX_ASPECT_RATIO, smart_resize, vision_placeholders
 
 PATCH_SIZE = 16
@@ -187,47 +188,13 @@ def process_frames(frames: torch.Tensor, plan: VideoPlan) -> torch.Tensor:
 # ---- the processor -----------------------------------------------------------------------------------------
 
 
-class Images(Media):
-    """Still images: a grid from the header, ``pixel_values`` [patches, 1536] and ``image_grid_thw`` [I, 3]."""
+class Images(qwen2_5_vl_processor.Images):
+    """Still images as Qwen2.5-VL reads them, cut in Qwen3-VL's 16 px patches: ``pixel_values`` [patches, 1536]."""
 
-    kind, noun = "image", "image"
-
-    def __init__(self, placeholder: Placeholder, min_pixels: int, max_pixels: int) -> None:
-        self.placeholder, self.min_pixels, self.max_pixels = placeholder, min_pixels, max_pixels
-
-    def probe(self, source: Path) -> tuple[int, int, int]:
-        try:
-            with Image.open(source) as img:
-                width, height = img.size
-                img.verify()
-        except Exception as e:  # PIL raises many types for corrupt files
-            raise MediaError(f"image {source} is unreadable or corrupt ({type(e).__name__}: {e}); replace the "
-                             "file") from None
-        try:
-            return image_grid(width, height, self.min_pixels, self.max_pixels)
-        except ValueError as e:
-            raise MediaError(f"image {source}: {e}") from None
-
-    def num_tokens(self, fact: tuple[int, int, int]) -> int:
-        t, h, w = fact
-        return t * h * w // MERGE_UNIT
-
-    def decode(self, source: Path, fact: tuple[int, int, int]) -> torch.Tensor:
-        with Image.open(source) as img:
-            pixels, grid = process_image(img, self.min_pixels, self.max_pixels)
-        if tuple(grid.tolist()) != tuple(fact):
-            raise MediaError(f"image {source} changed since validation (grid {tuple(grid.tolist())}, {fact} before)")
-        return pixels
-
-    def collate(self, facts: Sequence[Any], decoded: Sequence[Any] | None) -> dict[str, torch.Tensor]:
-        return {"pixel_values": torch.cat(list(decoded)) if decoded else torch.zeros(0, PATCH_DIM),
-                "image_grid_thw": torch.tensor(list(facts), dtype=torch.long).reshape(-1, 3)}
-
-    def info(self, facts: Sequence[Any]) -> dict[str, tuple]:
-        return {"image_grids": tuple(tuple(f) for f in facts)}
-
-    def shrink_hint(self) -> str:
-        return "lower data.max_pixels"
+    patch_dim = PATCH_DIM
+    merge_unit = MERGE_UNIT
+    grid_of = staticmethod(image_grid)
+    process = staticmethod(process_image)
 
 
 class Videos(Media):
