@@ -186,16 +186,6 @@ def machine_share(base: Config, cfgs: list[Config], overrides: list[str], cpus: 
     return share
 
 
-def fit_to_machine(config: str | Path | None, overrides: list[str], layouts: dict[str, list[str]],
-                   cpus: int | None = None) -> list[str]:
-    """``overrides`` with ``runtime.cpus_per_worker`` lowered so that the largest layout fits this machine's CPUs
-    (``machine_share``), from the layouts' configs read without their files checked."""
-    base = load_config(config, overrides, check_files=False)
-    cfgs = [load_config(config, [*overrides, *layout], check_files=False) for layout in layouts.values()]
-    share = machine_share(base, cfgs, overrides, cpus)
-    return overrides if share is None else [*overrides, f"runtime.cpus_per_worker={share:g}"]
-
-
 def print_table(results: dict[str, Any]) -> None:
     res = results["layouts"]
     modules = sorted({m for r in res.values() for m in r["groups"]})

@@ -71,15 +71,21 @@ def test_gpus_per_worker_values():
 
 
 def test_bench_fits_the_machine_before_ray_starts(capsys):
-    from dhp.bench import default_layouts, fit_to_machine
+    from dhp.bench import default_layouts, machine_share
+    from dhp.config import load_config
 
     layouts = default_layouts(4)
     demo = ROOT / "dhp" / "configs" / "demo.yaml"  # cpus_per_worker: 1, as `dhp bench` with no argument reads
-    assert fit_to_machine(demo, [], layouts, cpus=2) == ["runtime.cpus_per_worker=0.5"]
+
+    def share(overrides: list[str], cpus: int) -> float | None:  # as run_bench reads the layouts, files unchecked
+        base = load_config(demo, overrides, check_files=False)
+        cfgs = [load_config(demo, [*overrides, *layout], check_files=False) for layout in layouts.values()]
+        return machine_share(base, cfgs, overrides, cpus)
+
+    assert share([], cpus=2) == 0.5
     assert "4 workers per layout on this machine's 2 CPUs: runtime.cpus_per_worker=0.5" in capsys.readouterr().out
-    assert fit_to_machine(demo, [], layouts, cpus=8) == []  # fits as is
-    mine = ["runtime.cpus_per_worker=2"]
-    assert fit_to_machine(demo, mine, layouts, cpus=2) == mine  # the user's choice is kept
+    assert share([], cpus=8) is None  # fits as is
+    assert share(["runtime.cpus_per_worker=2"], cpus=2) is None  # the user's choice is kept
 
 
 def test_video_demo_makes_its_own_data(tmp_path, monkeypatch):
