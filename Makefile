@@ -28,10 +28,12 @@ demo: venv
 lint: venv
 	$(VENV)/bin/ruff check dhp tests benchmarks
 
-# The suite mostly waits (Ray actors and gloo ranks starting, one process each): three pytest workers keep the
-# two cores of the development machine busy. `make test TEST_WORKERS=0` runs it in one process. loadgroup: as load,
-# but the tests marked xdist_group(name) share one worker (test_cluster.py: one simulated multi-node Ray cluster).
-TEST_WORKERS ?= 3
+# The suite mostly waits (Ray actors and gloo ranks starting, one process each; node-death and failure
+# detection): with three pytest workers the two cores of the development machine were about half busy, so it
+# runs four, each with one torch thread (tests/conftest.py: oversubscribed OpenMP threads spin). `make test TEST_WORKERS=0` runs it in one process. loadgroup: as load, but the tests marked
+# xdist_group(name) share one worker (test_cluster.py: one simulated multi-node Ray cluster;
+# test_bench_max_tokens.py: one expensive module fixture, built once).
+TEST_WORKERS ?= 4
 
 test: venv lint
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup tests

@@ -127,9 +127,10 @@ def summarize(rows: list[dict], warmup: int, modules: list[str]) -> dict[str, An
 
 
 def run_bench(config: str | Path | None, overrides: list[str], layouts: dict[str, list[str]], steps: int,
-              warmup: int) -> dict[str, Any]:
+              warmup: int, profile: str | Path | None = None) -> dict[str, Any]:
     """Train every layout in turn; write ``output.dir/bench.json`` and the charts; return the results. Each
-    layout's config is read once, and all are checked before any runs."""
+    layout's config is read once, and all are checked before any runs. ``profile``: a device profile (``dhp plan
+    calibrate``); each layout then carries the planner's ``predicted_step_s`` beside its measured step time."""
     from dhp.train import train
 
     base = load_config(config, overrides)
@@ -142,12 +143,14 @@ def run_bench(config: str | Path | None, overrides: list[str], layouts: dict[str
             cfg.runtime.cpus_per_worker = share
         overrides = [*overrides, f"runtime.cpus_per_worker={share:g}"]
     results: dict[str, Any] = {"steps": steps, "warmup": warmup, "overrides": overrides, "layouts": {}}
+    predicted = predictions(cfgs, profile) if profile else {}
     for name, cfg in cfgs.items():
         print(f"dhp bench: layout {name}: {' '.join(layouts[name])}", flush=True)
         train(cfg)
         rows = [json.loads(line) for line in (Path(cfg.output.dir) / "metrics.jsonl").read_text().splitlines()
                 if line.strip()]
-        results["layouts"][name] = {"overrides": layouts[name], **summarize(rows, warmup, list(cfg.modules))}
+        results["layouts"][name] = {"overrides": layouts[name], **summarize(rows, warmup, list(cfg.modules)),
+                                    **predicted.get(name, {})}
     res = results["layouts"]
     if "uniform_tp" in res:
         for r in res.values():
@@ -164,6 +167,24 @@ def run_bench(config: str | Path | None, overrides: list[str], layouts: dict[str
     print_table(results)
     print(f"dhp bench: {out / 'bench.json'}; charts: {', '.join(results['plots'])}", flush=True)
     return results
+
+
+def predictions(cfgs: dict[str, Config], profile: str | Path) -> dict[str, dict[str, Any]]:
+    """Per layout the planner's ``predicted_step_s`` on ``profile`` and its breakdown (``dhp.plan.predict``)."""
+    from dhp.plan.predict import predict_config
+    from dhp.plan.profile import Profile
+
+    try:
+        prof = Profile.load(profile)
+    except ValueError as e:
+        raise ConfigError(f"--profile: {e}") from None
+    out = {}
+    for name, cfg in cfgs.items():
+        p = predict_config(cfg, prof)
+        out[name] = {"predicted_step_s": p["predicted_step_s"], "prediction": p}
+        print(f"dhp bench: layout {name}: predicted {p['predicted_step_s']:.3f} s per step ({p['pricing']})",
+              flush=True)
+    return out
 
 
 def machine_share(base: Config, cfgs: list[Config], overrides: list[str], cpus: int | None = None) -> float | None:
@@ -189,8 +210,9 @@ def machine_share(base: Config, cfgs: list[Config], overrides: list[str], cpus: 
 def print_table(results: dict[str, Any]) -> None:
     res = results["layouts"]
     modules = sorted({m for r in res.values() for m in r["groups"]})
-    head = f"{'layout':<12} {'tokens/s':>9} {'vs TP':>6} " + " ".join(
-        f"{m + ' busy':>11} {m + ' mfu':>10} {m + ' GB':>8}" for m in modules)
+    pred = any("predicted_step_s" in r for r in res.values())
+    head = (f"{'layout':<12} {'tokens/s':>9} {'vs TP':>6} " + (f"{'step s':>7} {'pred s':>7} " if pred else "")
+            + " ".join(f"{m + ' busy':>11} {m + ' mfu':>10} {m + ' GB':>8}" for m in modules))
     print(head)
     for name, r in res.items():
         cells = []
@@ -199,7 +221,9 @@ def print_table(results: dict[str, Any]) -> None:
             cells.append(f"{g.get('busy', 0):>11.0%} {g.get('mfu', float('nan')):>10.2%} "
                          f"{g.get('peak_memory_gb', 0):>8.2f}")
         ratio = r.get("ratio_to_uniform_tp")
-        print(f"{name:<12} {r['tokens_per_s']:>9.0f} {(f'{ratio:.2f}' if ratio else '-'):>6} " + " ".join(cells))
+        times = f"{r['step_time_s']:>7.3f} {r.get('predicted_step_s', float('nan')):>7.3f} " if pred else ""
+        print(f"{name:<12} {r['tokens_per_s']:>9.0f} {(f'{ratio:.2f}' if ratio else '-'):>6} " + times
+              + " ".join(cells))
     if results.get("vision_comm_ratio_sp_tp") is not None:
         print(f"vision collective bytes, dhp (SP) / uniform_tp (TP): {results['vision_comm_ratio_sp_tp']:.3f}")
 

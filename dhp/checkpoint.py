@@ -298,6 +298,7 @@ def _export_hf(ckpt: AnyPath, out: Path, family: Any, model_cfg: Any, tokenizer_
                 full = f"{spec.weight_prefix}.{key[len('model.'):]}"
                 if full not in tied:
                     items.append((spec.name, key, full, m))
+    items, lora = _lora_items(record, family, model_cfg, items)  # adapters out of the list, folded into bases
     shards: list[list[tuple[str, str, str, Any]]] = [[]]
     size = 0
     for item in items:
@@ -311,7 +312,7 @@ def _export_hf(ckpt: AnyPath, out: Path, family: Any, model_cfg: Any, tokenizer_
     weight_map, total = {}, 0
     out_dtype = dtype
     for i, shard in enumerate(shards, 1):
-        tensors = _read(ckpt, shard)
+        tensors = _merged(ckpt, shard, _read(ckpt, shard), lora)
         named = {}
         for (_, _, full, _), t in zip(shard, tensors, strict=True):
             t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
@@ -339,6 +340,120 @@ def _export_hf(ckpt: AnyPath, out: Path, family: Any, model_cfg: Any, tokenizer_
     for f in sorted(p for p in out.iterdir() if p.is_file()):
         _upload(f, upload_to)
     return upload_to
+
+
+Item = tuple  # (module dir, our key in the module ("model.<name>"), our whole-model key, DCP metadata)
+
+
+def _lora_items(record: dict[str, Any], family: Any, model_cfg: Any,
+                items: list[Item]) -> tuple[list[Item], dict[str, tuple[Any, Item, Item]]]:
+    """The checkpoint's tensors less its LoRA adapters, and per LoRA base (whole-model ``<linear>.weight``):
+    (scale, target, r) with its ``lora_A`` and ``lora_B`` items (``dhp.models.lora``; the run's ``<module>.lora``
+    says which parts are active)."""
+    from dhp.config import config_from_dict
+    from dhp.models.lora import export_targets, is_adapter
+
+    adapters = {full: item for item in items if is_adapter(full := item[2])}
+    if not adapters:
+        return items, {}
+    cfg = config_from_dict(record["config"])
+    shapes = {item[2]: tuple(item[3].size) for item in items}
+    lora: dict[str, tuple[Any, Item, Item]] = {}
+    for spec in family.modules:
+        prefix = spec.weight_prefix + "."
+        mine = {k[len(prefix):]: shapes[k] for k in adapters if k.startswith(prefix)}
+        rows = {k.removesuffix(".lora_A.weight"): shapes[f"{prefix}{k.removesuffix('.lora_A.weight')}.weight"][0]
+                for k in mine if k.endswith(".lora_A.weight")}
+        targets = export_targets(mine, rows, spec.weight_prefix, family.weights, model_cfg, cfg.module(spec.name).lora)
+        for linear, how in targets.items():
+            lora[f"{linear}.weight"] = (how, adapters[f"{linear}.lora_A.weight"], adapters[f"{linear}.lora_B.weight"])
+    return [item for item in items if item[2] not in adapters], lora
+
+
+def _merged(ckpt: AnyPath, shard: list[Item], tensors: list[torch.Tensor],
+            lora: dict[str, tuple[Any, Item, Item]]) -> list[torch.Tensor]:
+    """The shard's tensors with each LoRA base's adapters folded in (``W + scale * B_i @ A_i`` per part)."""
+    from dhp.models.lora import fold
+
+    bases = [k for k, item in enumerate(shard) if item[2] in lora]
+    if not bases:
+        return tensors
+    pairs = _read(ckpt, [x for k in bases for x in lora[shard[k][2]][1:]])
+    out = list(tensors)
+    for j, k in enumerate(bases):
+        (scale, target, r), _, _ = lora[shard[k][2]]
+        out[k] = fold(tensors[k], pairs[2 * j], pairs[2 * j + 1], scale, target, r)
+    return out
+
+
+def export_adapter(ckpt: str | AnyPath, out: str | Path) -> Path:
+    """``dhp export --adapter``: the checkpoint's LoRA adapters as a PEFT adapter directory
+    (``adapter_config.json``, ``adapter_model.safetensors`` under the transformers model's module paths), which
+    ``peft.PeftModel.from_pretrained`` loads onto the model the run started from (``base_model_name_or_path``:
+    its ``model.hf_path``)."""
+    from safetensors.torch import save_file
+
+    from dhp.config import config_from_dict
+    from dhp.inputs import resolve_inputs
+    from dhp.models.lora import memory_names, part_keys, peft_config, peft_tensors
+
+    ckpt, out = location(ckpt), Path(out)
+    record = read_record(ckpt)
+    cfg = config_from_dict(record["config"])
+    inputs = resolve_inputs(cfg)
+    family, model_cfg = inputs.family, inputs.model_cfg
+    items = []
+    for spec in family.modules:
+        meta = dcp_reader(ckpt / spec.name).read_metadata()
+        items += [(spec.name, key, f"{spec.weight_prefix}.{key[len('model.'):]}", m)
+                  for key, m in meta.state_dict_metadata.items() if key.startswith("model.") and hasattr(m, "size")]
+    _, lora = _lora_items(record, family, model_cfg, items)
+    if not lora:
+        raise CheckpointError(f"{ckpt}: no LoRA adapters (the run set no <module>.lora.r); export the model with "
+                              "`dhp export` without --adapter")
+    pairs = _read(ckpt, [x for how in lora.values() for x in how[1:]])
+    state, targets, ranks = {}, {}, {}
+    name_of = memory_names(family.weights)
+    trained, saved = _trained_whole(cfg, family, items)
+    for j, (base, (how, a_item, _)) in enumerate(lora.items()):
+        linear = base.removesuffix(".weight")
+        state[f"{linear}.lora_A.weight"], state[f"{linear}.lora_B.weight"] = pairs[2 * j], pairs[2 * j + 1]
+        targets[linear] = how
+        alpha = cfg.module(a_item[0]).lora.alpha
+        for part, on in zip(part_keys(linear, how[1]), how[1].active, strict=True):
+            if on:
+                ranks[name_of(part)] = (how[2], alpha)
+    tensors = peft_tensors(state, targets, name_of)
+    for item, t in zip(saved, _read(ckpt, saved), strict=True):  # what trains whole: PEFT's modules_to_save
+        parts = family.weights.to_hf(item[2], t, model_cfg)
+        module, leaf = item[2].rsplit(".", 1)
+        for hf_name, part in parts.items():  # a fused tensor's parts: our module's sibling of the part's name
+            ours = module if len(parts) == 1 else f"{module.rsplit('.', 1)[0]}.{hf_name.rsplit('.', 2)[-2]}"
+            tensors[f"base_model.model.{name_of(ours)}.{leaf}"] = part.contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    dropout = max(cfg.module(s.name).lora.dropout for s in family.modules)
+    config = peft_config(ranks, dropout, cfg.model.hf_path or "")
+    config["modules_to_save"] = [name_of(p) for p in trained] or None
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _trained_whole(cfg: Any, family: Any, items: list[Item]) -> tuple[list[str], list[Item]]:
+    """What a LoRA run trained whole beside its adapters (PEFT's ``modules_to_save``): the module paths (a
+    module without LoRA that trains; the projector of a LoRA module under ``merger.trainable``) and their
+    tensors' items."""
+    from dhp.models.lora import is_adapter
+
+    paths = []
+    for spec in family.modules:
+        m = cfg.module(spec.name)
+        if m.trainable and not m.lora.enabled:
+            paths.append(spec.weight_prefix)
+        elif cfg.merger.trainable:
+            paths += [f"{spec.weight_prefix}.{p.rstrip('.')}" for p in spec.projector_prefixes]
+    chosen = [item for item in items if not is_adapter(item[2]) and any(item[2].startswith(p + ".") for p in paths)]
+    return paths, chosen
 
 
 def token_ids(source: Path | None, tokenizer_dir: Path | None) -> dict[str, Any]:

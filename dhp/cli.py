@@ -181,6 +181,10 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     lengths = ds.lengths()
     print(f"dhp: {inputs.train_path}: {len(ds)} good samples, {len(ds.skipped)} skipped; "
           f"tokens per sample min {min(lengths)} max {max(lengths)} mean {sum(lengths) / len(lengths):.0f}")
+    for line in getattr(ds, "describe", lambda: [])():  # a mix: each source's share
+        print(f"  {line}")
+    if getattr(ds, "index_dir", None) is not None:
+        print(f"  index: {ds.index_dir} (a second start reads it back; docs/data.md)")
     for issue in ds.skipped:
         print(f"  skipped: {issue}")
     return 0
@@ -288,7 +292,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         given = [f for f, v in search_flags.items() if v is not None]
         if given:
             raise UsageError(f"{', '.join(given)}: only with --max-vision-tokens")
-        run_bench(config, overrides, parse_layouts(args.layouts, args.workers), args.steps, args.warmup)
+        run_bench(config, overrides, parse_layouts(args.layouts, args.workers), args.steps, args.warmup,
+                  profile=args.profile)
         return 0
     start = MAX_TOKENS_START if args.vision_tokens_start is None else args.vision_tokens_start
     stop = MAX_TOKENS_STOP if args.vision_tokens_max is None else args.vision_tokens_max
@@ -313,8 +318,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     """A Hugging Face directory from a training checkpoint, written shard by shard (never the whole model at once)."""
     import torch
 
-    from dhp.checkpoint import export_checkpoint
+    from dhp.checkpoint import export_adapter, export_checkpoint
 
+    if getattr(args, "adapter", False):  # LoRA adapters only, as PEFT writes them (docs/lora.md)
+        out = export_adapter(args.checkpoint, args.out)
+        print(f"dhp: exported the LoRA adapters of {args.checkpoint} to {out} (adapter_config.json, "
+              "adapter_model.safetensors: peft.PeftModel.from_pretrained loads them onto the base model)")
+        return 0
     dtype = getattr(torch, args.dtype) if args.dtype else None
     out = export_checkpoint(args.checkpoint, args.out, dtype)  # paths or URLs (s3://...: dhp/storage.py)
     print(f"dhp: exported {args.checkpoint} to {out} (config.json with the bos/eos/pad ids, safetensors, the "
@@ -362,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("out", help="the Hugging Face directory to write")
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="cast floating-point weights (default: as trained)")
+    ex.add_argument("--adapter", action="store_true", help="a LoRA run: write its adapters as a PEFT adapter "
+                    "directory instead (without it: the merged model, the adapters folded into the base)")
     ex.set_defaults(fn=cmd_export)
     b = sub.add_parser("bench", help="train several layouts in turn on the same config and compare them",
                        parents=[common], description=f"Measure layouts side by side (Ray backend).\n\n{rule}",
@@ -373,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=3, help="measured steps per layout (default 3)")
     b.add_argument("--warmup", type=int, default=1, help="steps run first and left out (default 1)")
     b.add_argument("--workers", type=int, default=4, help="workers per layout, W/2 per group (default 4)")
+    b.add_argument("--profile", default=None, help="a device profile (`dhp plan calibrate`): each layout carries "
+                   "the planner's predicted_step_s beside its measured step time")
     b.add_argument("--max-vision-tokens", action="store_true",
                    help="instead of training: per layout, grow one image until a worker's peak exceeds "
                         "--memory-budget-gb; report the largest that trains (bench.json: max_vision_tokens)")
@@ -391,12 +405,28 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="predict memory and speed of every layout from fake runs of the real code",
                         parents=[common], epilog=_epilog(), formatter_class=fmt)
     pl.add_argument("model", help="a preset (tiny | 3b | 7b | 32b | 72b | omni-tiny | omni-3b | omni-7b), a Hugging "
-                    "Face directory or a config.json")
+                    "Face directory or a config.json; or `calibrate` (with --out, --on, --quick): measure this "
+                    "machine's device profile for --profile")
     pl.add_argument("--family", default=None, help="the model family (model.family; default: the preset's or the "
                     "checkpoint's)")
-    pl.add_argument("--gpus", type=int, required=True, help="GPUs to lay the model out on")
+    pl.add_argument("--gpus", type=int, default=None, help="GPUs to lay the model out on (required but for "
+                    "calibrate)")
     pl.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU (default: the device's)")
-    pl.add_argument("--device", default="h100", help="h100 | h200 | a100 | l40s (default h100)")
+    pl.add_argument("--device", default="h100", help="h100 | h200 | a100 | l40s (default h100), or one per group "
+                    "(vision=l40s,text=h100: each group on a pool of its own, disaggregated)")
+    pl.add_argument("--profile", default=None, help="a device profile from `dhp plan calibrate` (or one per group, "
+                    "vision=FILE,text=FILE); default: the device table's roofline")
+    pl.add_argument("--pool-link-gbs", type=float, default=None, help="GB/s per GPU between pools of a device per "
+                    "group (default 50: 400 Gb/s InfiniBand)")
+    pl.add_argument("--out", default=None, help="calibrate: where the profile goes (default profile.json)")
+    pl.add_argument("--on", choices=["cpu", "cuda"], default=None, help="calibrate: the device to measure (default: "
+                    "cuda when there is one)")
+    pl.add_argument("--quick", action="store_true", help="calibrate: a small grid, for tests (seconds)")
+    pl.add_argument("--threads", type=int, default=None, help="calibrate on cpu: torch threads while measuring "
+                    "(default torch's; a CPU `dhp train` worker runs 1)")
+    pl.add_argument("--published", action="store_true", help="the published experiment: 8 x H100 80 GB, 512 text "
+                    "tokens, 1k-65k vision tokens, pure bf16, uniform TP against vision SP 8 + text TP 8, collocated; "
+                    "prints the predicted ratio beside the published 1.26-1.37x")
     pl.add_argument("--peak-tflops", type=float, default=None, help="override the device's peak bf16 TFLOP/s")
     pl.add_argument("--vision-tokens", default="16384,65536", help="vision patches per sample, comma-separated")
     pl.add_argument("--audio-tokens", default="3000", help="audio mel frames per sample (100 per second; default "

@@ -8,6 +8,7 @@ Nothing else in dhp reads raw dictionaries.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -43,6 +44,14 @@ class DataConfig:
     max_length: int = 2048
     on_error: Literal["raise", "skip"] = "raise"
     loader_workers: int = 2  # threads per encoder worker decoding its next rounds ahead (Ray backend); 0: none
+    # the data set's index (docs/data.md): validated once, over this many processes (0: one per CPU core), and kept
+    # under $DHP_CACHE/index keyed by the file's fingerprint and the settings (index_cache=false: validate every start)
+    index_workers: int = 0
+    index_cache: bool = True
+    # full: every image read through (PIL's verify) when the index is built; headers: sizes from file headers only, a
+    # damaged file is then found when a worker decodes it (the run stops naming it). Paid once per file + settings.
+    validate: Literal["full", "headers"] = "full"
+    mix_seed: int = 0  # which samples a weighted mix (data.path="a.jsonl:0.3,b.parquet:0.7") repeats or drops
     eval_samples: int = 200  # at most this many held-out samples are evaluated
     max_new_tokens: int = 8  # greedy decoding length in evaluation
 
@@ -123,6 +132,24 @@ class ResourcesConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """``<module>.lora``: train LoRA adapters on the module's Linears, its base frozen (``docs/lora.md``).
+
+    ``r`` > 0 turns it on (0: the module trains whole, as ``trainable`` says). ``target_modules`` as PEFT takes
+    it, on the checkpoint's module names: a list of names (``[q_proj, v_proj]``: each matches a module whose
+    name ends with it), a regex the whole name must match, or ``all-linear`` (every Linear but ``lm_head``)."""
+
+    r: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+
+@dataclass
 class ModuleConfig:
     """One module group (an encoder or the language model): training switches and its parallel layout.
 
@@ -134,6 +161,7 @@ class ModuleConfig:
     activation_checkpointing: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # its workers' node pool (Ray backend)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters only, the base frozen (r > 0)
 
 
 @dataclass
@@ -226,6 +254,7 @@ class Config:
         _check(self.runtime.encoders_ahead >= 0, "runtime.encoders_ahead", "must be >= 0")
         _check(self.runtime.encoder_window >= 0, "runtime.encoder_window", "must be >= 0 (0: auto)")
         _check(self.data.loader_workers >= 0, "data.loader_workers", "must be >= 0 (0: load in the worker's thread)")
+        _check(self.data.index_workers >= 0, "data.index_workers", "must be >= 0 (0: one process per CPU core)")
         _check(t.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0 (0: no periodic checkpoints)")
         _check(t.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0: keep all)")
         _check(t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", "must be >= 0 (0: the whole logits at once)")
@@ -262,6 +291,7 @@ def _check_module(name: str, m: ModuleConfig, spec: Any, backend: str) -> None:
     for k in ("dp", "sp", "tp"):
         _check(getattr(p, k) >= 1, f"{name}.parallel.{k}", "must be >= 1")
     _check(m.lr_scale > 0, f"{name}.lr_scale", "must be > 0")
+    _check_lora(name, m)
     _check_resources(name, m.resources)
     if backend == "local" and m.resources != ResourcesConfig():
         raise ConfigError(f"{name}.resources: places the group's workers on a Ray cluster; the local backend runs "
@@ -289,6 +319,24 @@ def _check_module(name: str, m: ModuleConfig, spec: Any, backend: str) -> None:
     if backend == "local" and (p.dp, p.sp, p.tp) != (1, 1, 1):
         raise ConfigError(f"{name}.parallel: the local backend runs one process; set runtime.backend=ray for "
                           "dp/sp/tp/zero")
+
+
+def _check_lora(name: str, m: ModuleConfig) -> None:
+    lora = m.lora
+    _check(lora.r >= 0, f"{name}.lora.r", "must be >= 0 (0: no LoRA, the module trains whole)")
+    _check(lora.alpha > 0, f"{name}.lora.alpha", "must be > 0")
+    _check(0.0 <= lora.dropout < 1.0, f"{name}.lora.dropout", "must be in [0, 1)")
+    _check(bool(lora.target_modules), f"{name}.lora.target_modules",
+           "must name modules (a list, a regex, or all-linear)")
+    if lora.enabled and not m.trainable:
+        raise ConfigError(f"{name}.lora.r={lora.r}: adapters on a frozen module ({name}.trainable=false) would not "
+                          f"train; set {name}.trainable=true or {name}.lora.r=0")
+    if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear":
+        try:
+            re.compile(lora.target_modules)
+        except re.error as e:
+            raise ConfigError(f"{name}.lora.target_modules: not a regex ({e}); give a list of names, a regex or "
+                              "all-linear") from None
 
 
 def _check_resources(name: str, r: ResourcesConfig) -> None:
@@ -354,9 +402,17 @@ def check_files_exist(cfg: Config) -> None:
         value = getattr(d, key)
         if value is None or str(value).startswith("demo:"):  # demo:NAME: the family's demo set, made on first use
             continue
+        from dhp.data_path import check_sources, is_mix
+
+        if is_mix(value):  # several sources, a glob, weights (dhp/data_path.py)
+            check_sources(str(value))
+            continue
         p = Path(value)
+        if p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()):
+            continue  # a data set saved by HF datasets (save_to_disk)
         if p.is_dir():
-            raise DataError(f"data.{key}: {p} is a directory; give the JSON or JSONL file of the samples")
+            raise DataError(f"data.{key}: {p} is a directory; give the JSON, JSONL or parquet file of the samples, "
+                            "or a directory saved by HF datasets (save_to_disk)")
         if not p.is_file():
             raise DataError(f"data.{key}: {_missing(p)}; give a JSON or JSONL file of samples (README: data forms)")
     if d.image_root is not None and not Path(d.image_root).is_dir():

@@ -189,20 +189,27 @@ def materialize(definition: Module, module: nn.Module, model_cfg: Any, device: s
     model's weights, in any layout). The layout's non-canonical parameters (``definition.layout_transforms``) are
     made whole in the canonical order, transformed, then sliced."""
     from dhp.errors import CheckpointError
+    from dhp.models.lora import detached_adapters, init_adapters, is_adapter, load_adapters
     from dhp.parallel.materialize import to_empty
 
     to_empty(module, device)  # tied parameters stay tied
     definition.reset_buffers(module)
     transforms = definition.layout_transforms(module, par) if par is not None else {}
-    if state is not None:
-        _load(module, state, transforms)
-    elif hf_path:
-        try:
-            _load_hf(definition, module, model_cfg, hf_path, family, transforms)
-        except CheckpointError as e:
-            raise ConfigError(f"model.hf_path: {e}") from None
+    with detached_adapters(module) as adapters:  # the base as the family knows it; LoRA adapters after it
+        base_state = None if state is None else {k: v for k, v in state.items() if not is_adapter(k)}
+        if base_state is not None:
+            _load(module, base_state, transforms)
+        elif hf_path:
+            try:
+                _load_hf(definition, module, model_cfg, hf_path, family, transforms)
+            except CheckpointError as e:
+                raise ConfigError(f"model.hf_path: {e}") from None
+        else:
+            definition.init(module, seed + definition.seed_offset, transforms or None)
+    if state is not None and any(is_adapter(k) for k in state):
+        load_adapters(adapters, state, transforms)
     else:
-        definition.init(module, seed + definition.seed_offset, transforms or None)
+        init_adapters(adapters, seed + definition.seed_offset)
 
 
 def _load_hf(definition: Module, module: nn.Module, model_cfg: Any, hf_path: str, family: Family | None,
@@ -248,7 +255,9 @@ class ModuleEngine:
         self._set_train_options()
         self.fsdp = self.mcfg.parallel.zero == 3 and self.par.distributed
         policy = self._set_precision()
+        self.lora = self._apply_lora(family)  # {Linear name: (scale, target, r)}: wrapped on meta, before any layout
         self._set_trainable()
+        self._hold_frozen_base()
         opts = ParallelizeOptions(activation_checkpointing=self.mcfg.activation_checkpointing,
                                   fsdp_mesh=self.reduce_mesh() if self.fsdp else None, mp_policy=policy,
                                   sequence_parallel=self.mcfg.parallel.sequence_parallel)
@@ -274,10 +283,45 @@ class ModuleEngine:
         return self.definition.name
 
     def _group_of(self, name: str) -> tuple[float, bool]:
-        """(lr scale, trainable) of a parameter: the family's projector parameters follow the `merger` section."""
+        """(lr scale, trainable) of a parameter: the family's projector parameters follow the `merger` section;
+        under ``<module>.lora`` the adapters train and the rest of the module is frozen."""
+        from dhp.models.lora import is_adapter
+
+        if self.mcfg.lora.enabled and is_adapter(name):
+            return self.mcfg.lr_scale, self.mcfg.trainable
         if self.definition.projector_prefixes and _unwrapped(name).startswith(self.definition.projector_prefixes):
             return self.cfg.merger.lr_scale, self.cfg.merger.trainable
-        return self.mcfg.lr_scale, self.mcfg.trainable
+        return self.mcfg.lr_scale, self.mcfg.trainable and not self.mcfg.lora.enabled
+
+    def _apply_lora(self, family: Family) -> dict[str, tuple[float, Any, int]]:
+        """``<module>.lora``: LoRA adapters on the Linears its targets choose (checkpoint names, through the
+        family's weight adapter), projectors trained whole (``merger.trainable``) left alone."""
+        lora = self.mcfg.lora
+        if not lora.enabled:
+            return {}
+        from dhp.models.lora import apply_lora, lora_modules, parts_by_weights
+
+        skip = self.definition.projector_prefixes if self.cfg.merger.trainable else ()
+        parts_of = parts_by_weights(family.weights, self.definition.weight_prefix, self.module, self.model_cfg)
+        try:
+            apply_lora(self.module, lora.r, lora.alpha, lora.dropout, lora.target_modules, parts_of, skip=skip)
+        except ValueError as e:
+            raise ConfigError(f"{self.name}.lora.target_modules: {e}") from None
+        return {name: (m.scaling, m.target, m.r) for name, m in lora_modules(self.module)}
+
+    def _hold_frozen_base(self) -> None:
+        """A LoRA module's frozen base in the compute dtype (bfloat16 on CUDA): it is never stepped, so it needs
+        no float32 master copy; the adapters keep the parameter dtype (their optimizer state with them)."""
+        compute = self.precision.compute
+        if not self.lora or compute == self.precision.params:
+            return
+        done: dict[int, nn.Parameter] = {}  # tied parameters stay tied
+        for m in self.module.modules():
+            for pname, p in list(m._parameters.items()):
+                if p is not None and not p.requires_grad and p.is_floating_point() and p.dtype != compute:
+                    if id(p) not in done:
+                        done[id(p)] = nn.Parameter(p.detach().to(compute), requires_grad=False)
+                    setattr(m, pname, done[id(p)])
 
     def _set_precision(self, device_type: str | None = None) -> Any:
         """``self.precision`` and ``self.amp`` from the config and the device (``device_type``: the one decisions

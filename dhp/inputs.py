@@ -6,12 +6,16 @@ trainer: it imports no backend), so none of them imports another's file.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dhp.config import Config, ConfigError, DataConfig
 from dhp.data.llava import SFTDataset, UnreadMedia, ValidationResult
+from dhp.data.mix import MixedDataset, expand, is_mix, parse_sources
 from dhp.data.processor import Processor
 from dhp.data.sampler import BatchPlanner, encoder_window
 from dhp.data.tokenizer import Tokenizer
@@ -68,7 +72,7 @@ def _demo_file(value: str | None, family: Family) -> Path | None:
     if not value:
         return None
     if not value.startswith(DEMO_PREFIX):
-        return Path(value)
+        return Path(value)  # (several sources, "a.jsonl:0.3,b/*.parquet:0.7", survive as one Path: dhp.data.mix)
     path = family.demo_data() / value[len(DEMO_PREFIX):]  # (no demo set: the family raises ConfigError)
     if not path.is_file():
         raise DataError(f"{value}: the demo set ({path.parent}) has no {path.name}")
@@ -86,6 +90,8 @@ class DatasetSpec:
     processor: Processor
     family_name: str
     validated: ValidationResult | None = None
+    index_dir: str | None = None  # the driver's stored index of the file (memory-mapped by each worker)
+    index_digest: str | None = None  # its digest: what a node that does not see index_dir checks its own against
 
 
 @dataclass(frozen=True)
@@ -110,14 +116,37 @@ def dataset_spec(inputs: RunInputs, path: Path) -> DatasetSpec:
 def open_dataset(spec: DatasetSpec) -> SFTDataset:
     """The data set, validated when opened: a bad sample raises DataError naming file and sample
     (``data.on_error=raise``) or is dropped and counted (``skip``). With ``spec.validated`` (the
-    driver's result, handed to workers) the media headers are not read again, and every worker
-    indexes exactly the samples the driver planned with. Media the family reads not (audio under a vision
-    model): a DataError naming the families that do."""
+    driver's result, handed to workers) or ``spec.index_dir`` (its stored index) the media headers are not read
+    again, and every worker indexes exactly the samples the driver planned with. Media the family reads not
+    (audio under a vision model): a DataError naming the families that do."""
     try:
+        if is_mix(spec.path):
+            return _open_mix(spec)
         return SFTDataset(spec.data_cfg, Tokenizer(spec.tokenizer_dir), path=spec.path, validated=spec.validated,
-                          processor=spec.processor)
+                          processor=spec.processor, index_dir=spec.index_dir, index_digest=spec.index_digest)
     except UnreadMedia as e:
         raise DataError(_unread_message(spec.family_name, e)) from None
+
+
+def _open_mix(spec: DatasetSpec) -> MixedDataset:
+    """Several sources (files, globs, weights: ``dhp.data.mix``) as one data set, each file with its own index."""
+    sources = parse_sources(spec.path)
+    tok = Tokenizer(spec.tokenizer_dir)
+    files = [[SFTDataset(replace(spec.data_cfg, path=str(f)), tok, path=f, processor=spec.processor)
+              for f in expand(pattern)] for pattern, _ in sources]
+    return MixedDataset(files, [w for _, w in sources], spec.data_cfg.mix_seed, spec.path)
+
+
+def indexed_fingerprint(dataset: SFTDataset | MixedDataset, skipped: list[int]) -> str:
+    """What a resume checks of a data set that is no single file (an HF datasets directory, a mix): its files'
+    index fingerprints (size, mtime, head and tail: ``dhp.data.sources.fingerprint``), the usable and the skipped
+    samples."""
+    import hashlib
+    import json
+
+    parts = dataset.parts if isinstance(dataset, MixedDataset) else [dataset]
+    blob = json.dumps([[ds.index.fingerprint for ds in parts], len(dataset), skipped]).encode()
+    return hashlib.sha256(blob).hexdigest()
 
 
 def _unread_message(family: str, e: UnreadMedia) -> str:
@@ -134,7 +163,49 @@ def _unread_message(family: str, e: UnreadMedia) -> str:
 
 def module_costs(family: Family, model_cfg: Any, dataset: SFTDataset) -> dict[str, list[float]]:
     """Per module, each sample's cost (what the module's group balances: its forward FLOPs, ``Module.cost``); 0
-    where an encoder has nothing to do."""
+    where an encoder has nothing to do. Kept beside the data set's index (``costs-KEY.npz``, keyed by the family,
+    its code and the model config), so a second start does not compute them again."""
+    stored = _costs_file(family, model_cfg, dataset)
+    if stored is not None and stored.is_file():
+        try:
+            with np.load(stored) as z:
+                if all(len(z[m]) == len(dataset) for m in z.files):
+                    return {m: z[m].tolist() for m in z.files}
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged file: computed again
+    out = _compute_costs(family, model_cfg, dataset)
+    if stored is not None:
+        try:
+            tmp = stored.with_name(f".{stored.name}.{os.getpid()}.tmp.npz")
+            np.savez(tmp, **{m: np.asarray(v, dtype=np.float64) for m, v in out.items()})
+            os.replace(tmp, stored)
+        except OSError:
+            pass  # a read-only cache: computed at every start
+    return out
+
+
+def _costs_file(family: Family, model_cfg: Any, dataset: Any) -> Path | None:
+    """Where the costs of ``dataset`` under this family and model config are kept, or None (no stored index)."""
+    directory = getattr(dataset, "index_dir", None)
+    if directory is None:
+        return None
+    import hashlib
+    import inspect
+    import json
+
+    from dhp.data.index import stable
+
+    code = hashlib.sha256()
+    folders = sorted({Path(inspect.getfile(c)).parent for c in (*type(family).__mro__, Family)
+                      if c.__module__.startswith("dhp.")})
+    for folder in folders:  # the family's cost code (its classes' packages): a change computes them again
+        for f in sorted(folder.glob("*.py")):
+            code.update(f.read_bytes())
+    key = json.dumps({"family": family.name, "model": stable(model_cfg), "code": code.hexdigest()}, sort_keys=True)
+    return Path(directory) / f"costs-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
+
+
+def _compute_costs(family: Family, model_cfg: Any, dataset: SFTDataset) -> dict[str, list[float]]:
     infos = [dataset.info(i) for i in range(len(dataset))]
     out: dict[str, list[float]] = {}
     for enc in family.encoders:
@@ -174,5 +245,10 @@ def prepare(cfg: Config) -> Prepared:
     inputs = resolve_inputs(cfg)
     spec = dataset_spec(inputs, inputs.train_path)
     dataset = open_dataset(spec)
-    spec = replace(spec, validated=dataset.validation)  # workers reuse it instead of reading every header again
+    # workers reuse the driver's validation instead of reading every header again: its stored index (mapped, a few
+    # bytes to send) or, where none could be stored, the result itself
+    if dataset.index_dir is not None:
+        spec = replace(spec, index_dir=str(dataset.index_dir), index_digest=dataset.index.digest())
+    elif isinstance(dataset, SFTDataset):
+        spec = replace(spec, validated=dataset.validation)  # (a mix: each file's index is in the cache)
     return Prepared(inputs, dataset, spec, make_planner(inputs, dataset))

@@ -33,7 +33,7 @@ from dhp.backends.base import process_memory_gb
 from dhp.config import Config, ConfigError, compute_dtype, dump_config
 from dhp.data.tokenizer import Tokenizer
 from dhp.errors import CheckpointError, Interrupted
-from dhp.inputs import dataset_spec, open_dataset, prepare
+from dhp.inputs import dataset_spec, indexed_fingerprint, open_dataset, prepare
 from dhp.observe.flops import Peak, mfu, run_peak, sample_flops
 from dhp.observe.trace import TraceWriter, traced_steps
 from dhp.runtime.errors import WorkerError
@@ -210,7 +210,8 @@ class Run:
         self.lengths = self.dataset.lengths()  # tokens per sample, for the per-step token count
         self._init_observability()
         skipped = sorted({i.index for i in self.dataset.skipped})
-        self.fingerprint = checkpoint.data_fingerprint(self.inputs.train_path, len(self.dataset), skipped)
+        self.fingerprint = (checkpoint.data_fingerprint(self.inputs.train_path, len(self.dataset), skipped)
+                            if Path(self.inputs.train_path).is_file() else indexed_fingerprint(self.dataset, skipped))
         self.record_base = {
             "seed": cfg.train.seed, "config": cfg.to_dict(), "family": self.family.name,
             "model": model_record(self.inputs.model_cfg), "layouts": layouts_of(cfg),

@@ -1,8 +1,22 @@
-"""Shared fixtures: a small demo data set made once per test session."""
+"""Shared fixtures: a small demo data set made once per test session; one torch thread per pytest-xdist worker."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist several workers (and their Ray actors, gloo ranks and `dhp` subprocesses) share the
+    machine's cores: each runs torch on one thread, its children too (OMP_NUM_THREADS, which Ray's actors keep).
+    Oversubscribed OpenMP threads spin while they wait: two threads per worker on two cores cost about twice
+    the CPU time for the same local-backend tests (measured on this project's 2-core machine)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,9 @@ chat ``messages`` of ``role``/``content`` with ``<image>`` tags and ``images``
 ``{"type": "image"}`` parts (transformers' chat templates, TRL), an image part
 taking the next entry of ``images`` or naming its own file (``image``,
 ``path``, ``url``, ``image_url``). Images are local files; relative paths are
-relative to ``data.image_root`` (default: the data file's folder).
+relative to ``data.image_root`` (default: the data file's folder); in parquet and
+HF ``datasets`` rows (``dhp.data.sources``) an image may also be the bytes of an
+HF Image struct (``{"bytes": ..., "path": ...}``).
 
 Videos (``docs/video.md``) work the same way: ``<video>`` tags (or ``{"type":
 "video"}`` parts) and a ``video`` (one clip) or ``videos`` (a list of clips)
@@ -28,22 +30,37 @@ an assistant turn exists, the exact token count fits ``data.max_length``) and
 either raises one ``DataError`` listing every problem or, with
 ``data.on_error=skip``, drops those samples and records why. Token counts come
 from media headers only (no pixel decoding), so batch plans are exact and cheap.
+
+What validation finds is the file's index (``dhp.data.index``): built once per file and settings (over a process
+pool for a large file: ``build_index``), cached (``cached_index``), memory-mapped by every process; a sample's
+record is read from the file when it is asked for (``SFTDataset.record``), so no process holds the parsed file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import multiprocessing
+import os
+import pickle
 import re
+import sys
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dhp.config import DataConfig
+from dhp.data import index
 from dhp.data.batch import Sample
 from dhp.data.processor import TAGS, Processor
+from dhp.data.sources import RecordFile, fingerprint, open_records
 from dhp.data.tokenizer import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Tokenizer
 from dhp.errors import DataError
 from dhp.models.spec import SampleInfo
@@ -101,67 +118,176 @@ class ValidationResult:
     token_counts: dict[int, dict[int, int]] = field(default_factory=dict)  # record -> {special token id: count}
 
 
-class SFTDataset:
+class _Checker:
+    """The checks of one record (structure, media headers, exact token count): what validation runs per sample, in
+    the process that opened the data set or in a worker of the index-building pool."""
+
+    file: Path
+    image_root: Path
+    cfg: DataConfig
+    tokenizer: Tokenizer
+    processor: Processor
+
+    def _check(self, rec: _Record) -> tuple[list[str], int, dict[str, tuple], dict[int, int]]:
+        """(problems, exact token count, the processor's probe facts by kind, special token counts) of ``rec``."""
+        if rec.problem:
+            return [rec.problem], -1, {}, {}
+        problems = _check_conversation(rec)
+        facts: dict[str, tuple] = {}
+        for kind, items in rec.media.items():
+            if self.processor.kind(kind) is None:
+                if items:  # (reported for the whole file first: UnreadMedia)
+                    problems.append(f"carries {kind}, which the {self.processor.family} processor does not read")
+                continue
+            found = []
+            for source in items:
+                fact, problem = self._probe(kind, source)
+                if problem:
+                    problems.append(problem)
+                found.append(fact)
+            if found:
+                facts[kind] = tuple(found)
+        if problems:
+            return problems, -1, {}, {}
+        ids, _ = self.tokenizer.encode_conversation(rec.messages, self.processor.blocks(facts))
+        special = set(self.tokenizer.special_ids())
+        counts = {t: n for t, n in Counter(ids).items() if t in special}
+        if len(ids) > self.cfg.max_length:
+            hints = "".join(f"{self.processor.kind(k).shrink_hint()}, " for k in facts)
+            return [f"{len(ids)} {LONGER_THAN}={self.cfg.max_length} (samples are never "
+                    f"truncated); raise data.max_length, {hints}or shorten the sample"], -1, {}, {}
+        return [], len(ids), facts, counts
+
+    def _probe(self, kind: str, source: Any) -> tuple[Any, str | None]:
+        """The processor's fact of one media item from its header, or a problem naming the file and the fix."""
+        files = source if isinstance(source, list) else [source]
+        frame = "frame " if isinstance(source, list) else ""
+        for f in files:
+            if not isinstance(f, InlineMedia) and not f.is_file():
+                return None, (f"{kind} {frame}file {f} does not exist; fix the path (relative to {self.image_root}) "
+                              "or add it")
+        try:
+            media = self.processor.kind(kind)
+            probe = media.probe_header if self.cfg.validate == "headers" else media.probe
+            return probe(opened(source)), None
+        except (OSError, ValueError) as e:
+            return None, str(e) if str(files[0]) in str(e) else f"{kind} {_name(source)}: {e}"
+
+    def _check_range(self, records: RecordFile, start: int, stop: int, progress: Progress | None = None) -> _Chunk:
+        """The index columns of records ``start`` to ``stop`` (``progress``: told of each record)."""
+        n = stop - start
+        chunk = _Chunk(np.full(n, index.BAD, np.int8), np.full(n, -1, np.int32), np.zeros(n, np.uint8), [], [])
+        for j, (item, err) in enumerate(records.read_range(start, stop)):
+            rec = _record(start + j, item, err, self.image_root)
+            chunk.kinds[j] = index.kinds_bits(rec.media)
+            problems, n_tokens, facts, counts = self._check(rec)
+            if progress is not None:
+                progress.update()
+            if problems:
+                chunk.issues += [(rec.index, p) for p in problems]
+                chunk.meta.append(b"")
+                continue
+            chunk.status[j], chunk.tokens[j] = index.GOOD, n_tokens
+            chunk.meta.append(pickle.dumps((facts, counts), protocol=pickle.HIGHEST_PROTOCOL))
+        return chunk
+
+
+@dataclass
+class _Chunk:
+    """The index columns of a run of records, as one pool task returns them."""
+
+    status: np.ndarray
+    tokens: np.ndarray
+    kinds: np.ndarray
+    meta: list[bytes]
+    issues: list[tuple[int, str]]
+
+
+class SFTDataset(_Checker):
     """LLaVA-style SFT samples -> ``Sample`` (ids, labels, positions, media by the family's processor); indexes
-    only good samples."""
+    only good samples. What validation found is the data set's index (``dhp.data.index``), built once and cached;
+    a sample's record is read from the file when it is asked for."""
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, path: str | Path | None = None,
-                 validated: ValidationResult | None = None, *, processor: Processor) -> None:
+                 validated: ValidationResult | None = None, *, processor: Processor,
+                 index_dir: str | Path | None = None, index_digest: str | None = None) -> None:
         """``processor``: the model family's (``Family.processor``): what media become. ``validated``: the outcome
         of validating this same file (``self.validation``), e.g. from the driver, so that workers opening the data
-        set do not read every media header again."""
+        set do not read every media header again; ``index_dir``: the same as a stored index (``self.index_dir``),
+        memory-mapped; where this process does not see that folder, its own index must have ``index_digest`` (the
+        driver's ``self.index.digest()``)."""
         path = path if path is not None else cfg.path
         if path is None:
-            raise DataError("data.path: set it to a training data file (a JSON list or JSONL file, README: data "
-                            "forms)")
+            raise DataError("data.path: set it to a training data file (a JSON list or JSONL file, a parquet file or "
+                            "an HF datasets directory; README: data forms)")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.processor = processor
         self.file = Path(path)
         self.image_root = Path(cfg.image_root) if cfg.image_root else self.file.parent
-        self._records = _read_records(self.file, self.image_root)
+        self.index = self._open_index(validated, index_dir, index_digest)
+        self._file_records = open_records(self.file, self.index.spans)
+        self._records = _Records(self)
         self._check_kinds()
-        self._lengths: dict[int, int] = {}  # record index -> exact token count
-        self._facts: dict[int, dict[str, tuple]] = {}  # record index -> {kind: probe facts, per item}
-        self._token_counts: dict[int, dict[int, int]] = {}
-        self.skipped: list[DataIssue] = []
-        if validated is not None:
-            if validated.num_records != len(self._records):
-                raise DataError(f"{self.file} changed since it was validated: {len(self._records)} records, "
-                                f"{validated.num_records} before")
-            self._lengths, self._facts = dict(validated.lengths), dict(validated.facts)
-            self._token_counts = dict(validated.token_counts)
-            issues = list(validated.issues)
-        else:
-            issues = self.validate()
-        bad = {issue.index for issue in issues}
+        issues = [DataIssue(str(self.file), k, m) for k, m in self.index.issues]
         if issues and cfg.on_error == "raise":
-            raise DataError(_summary(self.file, issues, self.image_root, cfg, len(self._records)), issues)
+            raise DataError(_summary(self.file, issues, self.image_root, cfg, len(self.index)), issues)
         self.skipped = issues
-        self._good = [r.index for r in self._records if r.index not in bad]
-        if not self._good:
-            if not self._records:
+        self._good = self.index.good()
+        if not len(self._good):
+            if not len(self.index):
                 raise DataError(f"data file {self.file} holds no samples (it is empty); give a JSON list or JSONL "
                                 "file with one sample per line (README: data forms)")
-            raise DataError(_summary(self.file, issues, self.image_root, cfg, len(self._records), skipping=True),
+            raise DataError(_summary(self.file, issues, self.image_root, cfg, len(self.index), skipping=True),
                             issues)
+
+    def _open_index(self, validated: ValidationResult | None, index_dir: str | Path | None,
+                    digest: str | None) -> index.SampleIndex:
+        if validated is not None:
+            n = len(open_records(self.file))
+            if validated.num_records != n:
+                raise DataError(f"{self.file} changed since it was validated: {n} records, "
+                                f"{validated.num_records} before")
+            return _from_validation(validated, self.file)
+        if index_dir is not None and Path(index_dir).is_dir():
+            stored = index.load(Path(index_dir))
+            if stored is None or stored.fingerprint != fingerprint(self.file):
+                n = len(stored) if stored is not None else "?"
+                raise DataError(f"{self.file} changed since it was validated (its index {index_dir} holds {n} "
+                                "records of another version of the file); restart the run so that it is validated "
+                                "again")
+            return stored
+        built = cached_index(self)  # (a node that does not see the driver's cache: its own index, checked below)
+        if digest is not None and built.digest() != digest:
+            raise DataError(f"{self.file} on this node is not the file the driver validated (another number of "
+                            "good samples or other token counts); give every node the same data, or set DHP_CACHE to "
+                            "a folder every node shares")
+        return built
+
+    @property
+    def index_dir(self) -> Path | None:
+        """Where the data set's index is stored (hand it to another process opening the same file), or None."""
+        return self.index.directory
 
     def _check_kinds(self) -> None:
         """Every kind of media in the file is one the processor reads (else its tags would be plain text)."""
         for kind in TAGS:
             if self.processor.kind(kind) is not None:
                 continue
-            carrying = [r.index for r in self._records if r.media[kind]]
-            if carrying:
+            carrying = self.index.carrying(kind)
+            if len(carrying):
                 raise UnreadMedia(f"{self.file}: {len(carrying)} sample(s) carry {kind} (the first: sample "
                                   f"{carrying[0]}) but the {self.processor.family} processor reads no {kind}; use a "
-                                  f"model family with a {kind} encoder, or drop the {kind}", self.file, kind, carrying)
+                                  f"model family with a {kind} encoder, or drop the {kind}", self.file, kind,
+                                  [int(k) for k in carrying])
 
     @property
     def validation(self) -> ValidationResult:
-        """What validation found: hand it to another process opening the same file."""
-        return ValidationResult(len(self._records), dict(self._lengths), list(self.skipped), dict(self._facts),
-                                dict(self._token_counts))
+        """What validation found, as Python objects (``index_dir`` hands the same to another process for less)."""
+        good = [int(k) for k in self._good]
+        meta = {k: self.index.meta_of(k) for k in good}
+        return ValidationResult(len(self.index), {k: int(self.index.tokens[k]) for k in good}, list(self.skipped),
+                                {k: m[0] for k, m in meta.items()}, {k: m[1] for k, m in meta.items()})
 
     # ---- indexing ---------------------------------------------------------------------
     def __len__(self) -> int:
@@ -173,29 +299,34 @@ class SFTDataset:
 
     def source_index(self, i: int) -> int:
         """Position in the data file of dataset sample ``i``."""
-        return self._good[i]
+        return int(self._good[i])
 
     def lengths(self) -> list[int]:
-        """Exact token count of every sample (from media headers, no decoding)."""
-        return [self._lengths[k] for k in self._good]
+        """Exact token count of every sample (from the index: no media read)."""
+        return np.asarray(self.index.tokens)[self._good].tolist()
 
     def info(self, i: int) -> SampleInfo:
         """What the planner needs of sample ``i`` (token count, special-token counts, and the processor's shape
         facts: e.g. vision grids, audio frames), no decoding."""
-        k = self._good[i]
-        return SampleInfo(i, self._lengths[k], token_counts=self._token_counts.get(k, {}),
-                          **self.processor.info(self._facts.get(k, {})))
+        k = int(self._good[i])
+        facts, counts = self.index.meta_of(k)
+        return SampleInfo(i, int(self.index.tokens[k]), token_counts=counts, **self.processor.info(facts))
 
     def __getitem__(self, i: int) -> Sample:
         return self.get(i)
+
+    def record(self, k: int) -> _Record:
+        """Record ``k`` of the file (0-based, file order), read and normalised now."""
+        item, err = self._file_records.read(k)
+        return _record(k, item, err, self.image_root)
 
     def get(self, i: int, pixels: bool = True) -> Sample:
         """Sample ``i``; ``pixels=False`` decodes no media (the text side needs only their shapes, known from
         validation)."""
         if not 0 <= i < len(self._good):
             raise IndexError(f"{self.file}: sample {i} out of range (dataset has {len(self._good)} samples)")
-        rec = self._records[self._good[i]]
-        facts = self._facts.get(rec.index, {})
+        rec = self.record(int(self._good[i]))
+        facts, _ = self.index.meta_of(rec.index)
         decoded = self._decode(rec, facts) if pixels else None
         ids, labels = self.tokenizer.encode_conversation(rec.messages, self.processor.blocks(facts))
         sample = Sample(i, torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long),
@@ -213,7 +344,7 @@ class SFTDataset:
             out[kind] = []
             for source, fact in zip(items, facts[kind], strict=True):
                 try:
-                    out[kind].append(media.decode(source, fact))
+                    out[kind].append(media.decode(opened(source), fact))
                 except (OSError, ValueError) as e:
                     raise DataError(f"{self.file} sample {rec.index}: {kind} {_name(source)} cannot be processed "
                                     f"({e}); fix or remove the file, or drop the sample") from e
@@ -221,54 +352,154 @@ class SFTDataset:
 
     # ---- pre-flight check -------------------------------------------------------------
     def validate(self) -> list[DataIssue]:
-        """Every problem of every sample in the file (empty: all good); also records exact token counts."""
-        issues: list[DataIssue] = []
-        with Progress(len(self._records), f"validating {self.file}", after_s=PROGRESS_AFTER_S) as progress:
-            for rec in self._records:
-                for message in self._check(rec):
-                    issues.append(DataIssue(str(self.file), rec.index, message))
-                progress.update()
-        return issues
+        """Every problem of every sample in the file (empty: all good), checked again now in this process."""
+        chunk = self._check_range(self._file_records, 0, len(self._file_records))
+        return [DataIssue(str(self.file), k, m) for k, m in chunk.issues]
 
-    def _check(self, rec: _Record) -> list[str]:
-        if rec.problem:
-            return [rec.problem]
-        problems = _check_conversation(rec)
-        facts: dict[str, tuple] = {}
-        for kind, items in rec.media.items():
-            found = []
-            for source in items:
-                fact, problem = self._probe(kind, source)
-                if problem:
-                    problems.append(problem)
-                found.append(fact)
-            if found:
-                facts[kind] = tuple(found)
-        if problems:
-            return problems
-        ids, _ = self.tokenizer.encode_conversation(rec.messages, self.processor.blocks(facts))
-        self._lengths[rec.index] = len(ids)
-        self._facts[rec.index] = facts
-        special = set(self.tokenizer.special_ids())
-        self._token_counts[rec.index] = {t: n for t, n in Counter(ids).items() if t in special}
-        if len(ids) > self.cfg.max_length:
-            hints = "".join(f"{self.processor.kind(k).shrink_hint()}, " for k in facts)
-            return [f"{len(ids)} {LONGER_THAN}={self.cfg.max_length} (samples are never "
-                    f"truncated); raise data.max_length, {hints}or shorten the sample"]
-        return []
 
-    def _probe(self, kind: str, source: Path | list[Path]) -> tuple[Any, str | None]:
-        """The processor's fact of one media item from its header, or a problem naming the file and the fix."""
-        files = source if isinstance(source, list) else [source]
-        frame = "frame " if isinstance(source, list) else ""
-        for f in files:
-            if not f.is_file():
-                return None, (f"{kind} {frame}file {f} does not exist; fix the path (relative to {self.image_root}) "
-                              "or add it")
+class _Records:
+    """The file's records by position, each read when asked for (``SFTDataset.record``)."""
+
+    def __init__(self, ds: SFTDataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds.index)
+
+    def __getitem__(self, k: int) -> _Record:
+        if not 0 <= k < len(self):
+            raise IndexError(f"{self.ds.file}: record {k} out of range ({len(self)} records)")
+        return self.ds.record(k)
+
+
+# ---- the index: built once over a process pool, cached ------------------------------------------------------------
+
+POOL_MIN_RECORDS = 20000  # smaller files are indexed in the calling process (a pool of spawned processes starts slower)
+CHUNK_RECORDS = 2048  # records per pool task
+SETTINGS_IGNORED = ("path", "eval_path", "on_error", "loader_workers", "eval_samples", "max_new_tokens",
+                    "index_workers", "index_cache", "mix_seed")  # data keys that change nothing validation finds
+
+
+def index_key(ds: _Checker, fp: str) -> tuple[str, dict[str, Any]]:
+    """(the index's cache key, what it hashes): the file and its fingerprint, and every setting that changes what
+    validation finds (the data keys, the image root, the processor's values, the tokenizer's file)."""
+    settings = {k: v for k, v in vars(ds.cfg).items() if k not in SETTINGS_IGNORED}
+    tok_file = Path(ds.tokenizer.path) / "tokenizer.json"
+    manifest = {"file": str(ds.file.absolute()), "fingerprint": fp, "image_root": str(ds.image_root.absolute()),
+                "settings": index.stable(settings), "processor": index.stable(ds.processor),
+                "tokenizer": hashlib.sha256(tok_file.read_bytes()).hexdigest()[:32] if tok_file.is_file() else ""}
+    blob = json.dumps(manifest, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:24], manifest
+
+
+def cached_index(ds: _Checker) -> index.SampleIndex:
+    """The file's index from the cache when it was built for this file and these settings, else built now (over
+    a process pool when large) and stored (``data.index_cache``)."""
+    if not ds.file.exists():
+        open_records(ds.file)  # its DataError: the file does not exist (named, with the fix)
+    fp = fingerprint(ds.file)
+    key, manifest = index_key(ds, fp)
+    directory = index.index_root() / key
+    use_cache = getattr(ds.cfg, "index_cache", True)
+    if use_cache:
+        stored = index.load(directory)
+        if stored is not None and stored.fingerprint == fp:
+            return stored
+    records = open_records(ds.file)  # (a malformed file: its DataError, before anything is built)
+    built = build_index(ds, records, fp)
+    if use_cache:
         try:
-            return self.processor.kind(kind).probe(source), None
-        except (OSError, ValueError) as e:
-            return None, str(e) if str(files[0]) in str(e) else f"{kind} {_name(source)}: {e}"
+            index.save(built, directory, manifest)
+        except OSError as e:  # a read-only cache: the run goes on, the next start validates again
+            print(f"dhp: cannot store the data index under {directory.parent} ({e}); set DHP_CACHE to a writable "
+                  "folder to start faster next time", file=sys.stderr)
+    return built
+
+
+def build_index(ds: _Checker, records: RecordFile, fp: str) -> index.SampleIndex:
+    """Validate every record of ``records``: in this process for a small file, else over ``data.index_workers``
+    processes (0: one per CPU core), each checking runs of ``CHUNK_RECORDS``."""
+    n = len(records)
+    ranges = [(lo, min(n, lo + CHUNK_RECORDS)) for lo in range(0, n, CHUNK_RECORDS)]
+    workers = int(getattr(ds.cfg, "index_workers", 0)) or os.cpu_count() or 1
+    chunks: list[_Chunk] = []
+    with Progress(n, f"validating {ds.file}", after_s=PROGRESS_AFTER_S) as progress:
+        if n >= POOL_MIN_RECORDS and workers > 1:
+            try:
+                chunks = _pooled(ds, records, ranges, workers, progress)
+            except (BrokenProcessPool, RuntimeError) as e:  # e.g. a script without a __main__ guard cannot spawn
+                print(f"dhp: validating {ds.file} in this process: its pool of {workers} could not start ({e})",
+                      file=sys.stderr)
+                chunks = []
+        if not chunks:
+            chunks = [ds._check_range(records, lo, hi, progress) for lo, hi in ranges]
+    meta, meta_offsets = index.pack_meta([b for c in chunks for b in c.meta])
+    return index.SampleIndex(_column(chunks, "status", np.int8), _column(chunks, "tokens", np.int32),
+                             _column(chunks, "kinds", np.uint8), meta, meta_offsets,
+                             [i for c in chunks for i in c.issues], fp, spans=records.spans())
+
+
+def _pooled(ds: _Checker, records: RecordFile, ranges: list[tuple[int, int]], workers: int,
+            progress: Progress) -> list[_Chunk]:
+    """The chunks of ``ranges`` checked over ``workers`` spawned processes, in order."""
+    job = _PoolJob(ds.file, ds.cfg, str(ds.tokenizer.path), ds.processor, ds.image_root, records.spans())
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads (Ray, torch)
+    chunks = []
+    with ProcessPoolExecutor(min(workers, len(ranges)), mp_context=ctx, initializer=_pool_start,
+                             initargs=(job, os.getpid())) as pool:
+        for (lo, hi), chunk in zip(ranges, pool.map(_pool_check, ranges), strict=True):
+            chunks.append(chunk)
+            progress.update(hi - lo)
+    return chunks
+
+
+def _column(chunks: list[_Chunk], name: str, dtype: Any) -> np.ndarray:
+    return np.concatenate([getattr(c, name) for c in chunks]) if chunks else np.zeros(0, dtype)
+
+
+@dataclass
+class _PoolJob:
+    """What a worker of the index-building pool checks records with (sent once, to its initializer)."""
+
+    file: Path
+    cfg: DataConfig
+    tokenizer_dir: str
+    processor: Processor
+    image_root: Path
+    spans: np.ndarray | None
+
+
+_POOL: dict[str, Any] = {}  # in a pool worker: its checker and reader
+
+
+def _pool_start(job: _PoolJob, parent: int) -> None:
+    from dhp.lifetime import exit_with_parent
+
+    exit_with_parent(parent)
+    checker = _Checker()
+    checker.file, checker.cfg, checker.processor, checker.image_root = job.file, job.cfg, job.processor, job.image_root
+    checker.tokenizer = Tokenizer(job.tokenizer_dir)
+    _POOL["checker"], _POOL["records"] = checker, open_records(job.file, job.spans)
+
+
+def _pool_check(bounds: tuple[int, int]) -> _Chunk:
+    return _POOL["checker"]._check_range(_POOL["records"], *bounds)
+
+
+def _from_validation(v: ValidationResult, file: Path) -> index.SampleIndex:
+    """A ``ValidationResult`` (Python objects) as an in-memory index."""
+    n = v.num_records
+    status, tokens = np.full(n, index.BAD, np.int8), np.full(n, -1, np.int32)
+    blobs = [b""] * n
+    for k, length in v.lengths.items():
+        status[k], tokens[k] = index.GOOD, length
+        blobs[k] = pickle.dumps((v.facts.get(k, {}), v.token_counts.get(k, {})))
+    for issue in v.issues:
+        status[issue.index] = index.BAD
+    kinds = np.array([index.kinds_bits({kind: [1] for kind in v.facts.get(k, {})}) for k in range(n)], np.uint8)
+    meta, offsets = index.pack_meta(blobs)
+    return index.SampleIndex(status, tokens, kinds, meta, offsets, [(i.index, i.message) for i in v.issues],
+                             fingerprint(file))
 
 
 def _summary(file: Path, issues: list[DataIssue], image_root: Path, cfg: DataConfig, num_records: int,
@@ -331,39 +562,6 @@ def _name(clip: Path | list[Path]) -> str:
 
 
 # ---- reading ----------------------------------------------------------------------------
-
-
-def _read_records(file: Path, image_root: Path) -> list[_Record]:
-    if not file.is_file():
-        raise DataError(f"data file {file} does not exist; set data.path to a LLaVA JSON or JSONL file")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{file}: not UTF-8 text ({e}); data.path must be a JSON or JSONL file") from None
-    if text.lstrip().startswith("["):
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{file}: not valid JSON ({e}); fix the file") from None
-        items: list[tuple[Any, str | None]] = [(x, None) for x in raw]
-    else:
-        items = [_parse_line(line) for line in text.splitlines() if line.strip()]
-        if len(items) > 1 and items[0][1] is not None:  # maybe one JSON object over several lines
-            try:
-                whole = json.loads(text)
-            except json.JSONDecodeError:
-                whole = None
-            if whole is not None:
-                raise DataError(f"{file}: one JSON {type(whole).__name__} over several lines; give a JSON list of "
-                                "samples ([{...}, {...}]) or JSONL (one sample per line)")
-    return [_record(k, item, err, image_root) for k, (item, err) in enumerate(items)]
-
-
-def _parse_line(line: str) -> tuple[Any, str | None]:
-    try:
-        return json.loads(line), None
-    except json.JSONDecodeError as e:
-        return None, f"not valid JSON ({e}); fix the line"
 
 
 def _record(index: int, item: Any, error: str | None, image_root: Path) -> _Record:
@@ -430,24 +628,69 @@ def _audio_list(item: dict[str, Any]) -> list[str]:
     return _path_list(item, "audio")
 
 
-def _path_list(item: dict[str, Any], kind: str) -> list[str]:
-    """``item[kind]`` or ``item[kind + "s"]``: one path or a list of paths."""
-    key = kind if kind in item else kind + "s"
+def _path_list(item: dict[str, Any], kind: str) -> list[Any]:
+    """``item[kind]`` or ``item[kind + "s"]``: one path or a list of paths; an entry may also be the struct HF
+    ``datasets`` Image features store (``{"bytes": ..., "path": ...}``, as in parquet and ``save_to_disk`` sets)."""
+    key = kind if item.get(kind) is not None else kind + "s"
     value = item.get(key)
     if value is None:
         return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+    if isinstance(value, (str, dict)):
+        value = [value]
+    if isinstance(value, list) and all(isinstance(v, str) or _is_struct(v) for v in value):
         return list(value)
-    raise ValueError(f"'{key}' must be a path or a list of paths, got {value!r:.60}")
+    raise ValueError(f"'{key}' must be a path or a list of paths (or of {{'bytes', 'path'}} structs), got "
+                     f"{value!r:.60}")
+
+
+def _is_struct(value: Any) -> bool:
+    """An HF ``datasets`` media struct: ``{"bytes": b"..." or None, "path": "..." or None}``."""
+    return isinstance(value, dict) and set(value) <= {"bytes", "path"} and (
+        isinstance(value.get("bytes"), bytes) or isinstance(value.get("path"), str))
+
+
+class InlineMedia:
+    """A media item stored inside the data file (a parquet or Arrow cell's bytes); ``opened`` gives the processor a
+    file object of it. Its ``str`` names it in messages (the struct's path when it has one)."""
+
+    def __init__(self, data: bytes, name: str | None) -> None:
+        self.data, self.name = data, name
+
+    def __str__(self) -> str:
+        return f"{self.name or 'inline image'} (inline bytes)"
+
+    __repr__ = __str__
+
+
+def opened(source: Any) -> Any:
+    """What a processor reads: a path as it is, inline bytes as a fresh file object (``str``: their name)."""
+    if isinstance(source, InlineMedia):
+        buf = _NamedBytes(source.data)
+        buf.label = str(source)
+        return buf
+    return source
+
+
+class _NamedBytes(io.BytesIO):
+    label = ""
+
+    def __str__(self) -> str:
+        return self.label
 
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def _local_image(path: str, image_root: Path, what: str = "image") -> Path:
-    """A sample's image (or video) path as a local file: relative paths are relative to ``image_root``; no URLs."""
+def _local_image(path: Any, image_root: Path, what: str = "image") -> Path | InlineMedia:
+    """A sample's image (or video) path as a local file: relative paths are relative to ``image_root``; no URLs.
+    An image given inline (an HF struct with bytes) is kept as its bytes."""
+    if isinstance(path, dict):
+        if isinstance(path.get("bytes"), bytes):
+            if what != "image":
+                raise ValueError(f"{what} {path.get('path') or ''} given as inline bytes; dhp reads {what}s from "
+                                 f"files: store the {what} files and give their paths")
+            return InlineMedia(path["bytes"], path.get("path"))
+        path = path["path"]
     if path.startswith("file://"):
         path = path[len("file://"):]
     elif _URL.match(path):

@@ -67,6 +67,11 @@ class Media:
         """The item's shape fact from its header or metadata, no decoding. Raises ``MediaError`` (or OSError)."""
         raise NotImplementedError(f"{type(self).__name__} defines no probe()")
 
+    def probe_header(self, source: Source) -> Any:
+        """``probe``'s fact read from the header alone, for ``data.validate=headers`` (default: ``probe``, for kinds
+        whose probe reads only headers already). A damaged body is then found by ``decode``."""
+        return self.probe(source)
+
     def num_tokens(self, fact: Any) -> int:
         """Placeholder tokens the item fills in the sequence."""
         raise NotImplementedError(f"{type(self).__name__} defines no num_tokens()")

@@ -7,11 +7,16 @@ import shlex
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dhp.observe.devices import get_device
-from dhp.plan.planner import STRATEGIES, Row, plan
+from dhp.observe.devices import Device, get_device
+from dhp.plan.planner import STRATEGIES, Pricing, Row, plan
+from dhp.plan.profile import Profile, roofline
+
+POOL_LINK_GBS = 50.0  # between pools of a device per group: 400 Gb/s InfiniBand per GPU, one direction
 
 
 def model_config(name: str, family_name: str | None = None) -> tuple[Any, Any]:
@@ -66,7 +71,9 @@ def table(rows: list[Row], limit: float) -> str:
     encs = list(dict.fromkeys(k for r in rows for k in r.jobs if k in r.media_tokens()))  # the family's order
     groups = list(dict.fromkeys(k for r in rows for k in r.jobs))
     head = (f"{'strategy':<18} " + " ".join(f"{e + ' tok':>10}" for e in encs) + f" {'AC':>3} {'fits':>4} "
-            + " ".join(f"{g + ' GB':>9}" for g in groups) + f" {'step s':>8} {'tokens/s':>10}  layout")
+            + " ".join(f"{g + ' GB':>9}" for g in groups) + f" {'step s':>8} {'tokens/s':>10} "
+            + f"{'compute':>8} {'comm':>7} {'hidden':>7} {'router':>7} "
+            + " ".join(f"{_short(g) + ' idle':>7}" for g in groups) + "  layout")
     out = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (tuple(r.media_tokens().get(e, 0) for e in encs), r.ac, r.strategy)):
         media = r.media_tokens()
@@ -74,49 +81,188 @@ def table(rows: list[Row], limit: float) -> str:
         out.append(f"{r.strategy:<18} " + " ".join(f"{media.get(e, 0):>10}" for e in encs)
                    + f" {'on' if r.ac else 'off':>3} {'yes' if r.fits else 'no':>4} "
                    + " ".join(f"{r.groups[g]['peak_gb']:>9.1f}" for g in groups)
-                   + f" {r.step_time_s:>8.2f} {r.tokens_per_s:>10.0f}  {lay}")
+                   + f" {r.step_time_s:>8.2f} {r.tokens_per_s:>10.0f} " + _times(r, groups) + f"  {lay}")
     return "\n".join(out)
+
+
+def _times(r: Row, groups: list[str]) -> str:
+    """Seconds per step over the row's groups: compute, exposed and hidden communication, router; each group's
+    idle time (waiting on the others)."""
+    def total(key: str) -> float:
+        return sum(g.get(key, 0.0) for g in r.groups.values())
+
+    idle = " ".join(f"{r.groups[g].get('idle_s', 0.0):>7.3g}" if g in r.groups else f"{'-':>7}" for g in groups)
+    return (f"{total('compute_s'):>8.3g} {total('comm_exposed_s'):>7.3g} {total('comm_hidden_s'):>7.3g} "
+            f"{total('router_s'):>7.3g} {idle}")
 
 
 def _sizes(media: dict[str, int]) -> str:
     return ", ".join(f"{n} {k} tokens" for k, n in media.items()) or "no media"
 
 
-def run_plan(args: Any) -> int:
-    from dhp.errors import ModelError
+def _assignments(spec: str, what: str) -> tuple[str | None, dict[str, str]]:
+    """``X`` -> (X, {}); ``group=X,group=Y`` -> (None, {group: X}); for ``--device`` and ``--profile``."""
+    from dhp.errors import UsageError
 
+    if "=" not in spec:
+        return spec, {}
+    out = {}
+    for part in (p for p in spec.split(",") if p):
+        group, eq, value = part.partition("=")
+        if not eq or not group or not value:
+            raise UsageError(f"{what} {spec!r}: give one value or group=value pairs, comma-separated "
+                             f"(e.g. vision=l40s,text=h100)")
+        out[group.strip()] = value.strip()
+    return None, out
+
+
+def pricing_of(args: Any, family: Any) -> tuple[Device, Pricing, dict[str, Device]]:
+    """The default device, the pricing (a profile per group: ``--profile`` files, else the roofline of the
+    group's ``--device``) and the devices of groups that have their own (``--device vision=l40s,text=h100``)."""
+    from dhp.errors import UsageError
+
+    dev_name, dev_map = _assignments(args.device, "--device")
+    prof_file, prof_map = _assignments(getattr(args, "profile", None) or "", "--profile")
+    names = set(family.module_names)
+    for flag, given in (("--device", dev_map), ("--profile", prof_map)):
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise UsageError(f"{flag} {','.join(unknown)}=...: not a module of {family.name}; its groups are "
+                             f"{', '.join(family.module_names)}")
+    try:
+        dev = get_device(dev_name or dev_map.get(family.language.name, "h100"), args.peak_tflops)
+        devices = {g: get_device(n, args.peak_tflops) for g, n in dev_map.items()}
+    except KeyError as e:
+        raise UsageError(str(e).strip("'\"")) from None
+    try:
+        default = Profile.load(prof_file) if prof_file else roofline(dev)
+        own = {g: Profile.load(f) for g, f in prof_map.items()}
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    own = {g: own.get(g) or roofline(d) for g, d in devices.items()} | own
+    link = None
+    if own:
+        gbs = getattr(args, "pool_link_gbs", None) or POOL_LINK_GBS
+        link = Profile(name=f"link between pools {gbs:g} GB/s", link_bytes_per_s=gbs * 1e9)
+    memory = tuple((g, d.memory_gb) for g, d in devices.items())
+    return dev, Pricing(default, tuple(own.items()), link, memory), devices
+
+
+def run_plan(args: Any) -> int:
+    from dhp.errors import ModelError, UsageError
+
+    if args.model == "calibrate":
+        return run_calibrate(args)
+    if not args.gpus:
+        raise UsageError("dhp plan MODEL: give --gpus N (the GPUs to lay the model out on)")
     try:
         family, model_cfg = model_config(args.model, getattr(args, "family", None))
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise ModelError(str(e).strip("'\"")) from None
-    dev = get_device(args.device, args.peak_tflops)
+    dev, pricing, devices = pricing_of(args, family)
     limit = args.gpu_memory_gb or dev.memory_gb
     points = media_points(family, args)
     strategies = tuple(s for s in (args.strategies or ",".join(STRATEGIES)).split(",") if s)
+    if devices:  # groups on their own devices: only the disaggregated layouts put each group on its own pool
+        strategies = tuple(s for s in strategies if s == "dhp-disaggregated")
+        if not strategies:
+            raise UsageError("--device group=NAME puts groups on pools of their own: only dhp-disaggregated lays "
+                             "them out that way; add it to --strategies")
+        if args.gpu_memory_gb:
+            pricing = replace(pricing, memory_gb=())
     precision = getattr(args, "precision", "fp32_master")
+    keep = None
+    if getattr(args, "published", False):
+        points, strategies, precision, keep = published(args, family)
     with Heartbeat(f"{args.model} ({family.name}: {', '.join(family.module_names)}) on {args.gpus} GPUs: measuring "
                    f"every layout by fake runs of the real code ({', '.join(strategies)}; "
                    f"{'; '.join(_sizes(p) for p in points)})"):
         rows = plan(model_cfg, args.gpus, dev, limit, points, args.text_tokens, args.micro_batch_size, strategies,
-                    precision=precision, family=family)
+                    precision=precision, family=family, pricing=pricing, keep=keep)
     fitting = [r for r in rows if r.fits]
     rec = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
-    print(f"{args.model} on {args.gpus} x {dev.name} ({limit:g} GB), efficiency {dev.efficiency:.0%} of "
-          f"{dev.peak_bf16_tflops:g} TFLOP/s; {args.text_tokens} text tokens + the media per sample, "
-          f"{args.micro_batch_size} sample(s) per micro-batch; precision {precision}")
+    pools = ", ".join(f"{g} on {d.name}" for g, d in devices.items())
+    print(f"{args.model} on {args.gpus} x {dev.name if not devices else 'GPUs (' + pools + ')'} ({limit:g} GB); "
+          f"{args.text_tokens} text tokens + the media per sample, {args.micro_batch_size} sample(s) per "
+          f"micro-batch; precision {precision}\npriced by {pricing.label}"
+          + ("  [ROOFLINE: no calibrated profile; `dhp plan calibrate` measures one]"
+             if any(p.source == "roofline" for p in (pricing.default, *dict(pricing.groups).values())) else ""))
     print(table(rows, limit))
+    print("(seconds per step: compute and communication summed over the groups, comm exposed / hidden behind "
+          "compute; idle: a group waiting on the others)")
     if rec is not None:
         media = rec.media_tokens()
         print(f"\nfastest that fits: {rec.strategy} at {_sizes({k: media[k] for k in rec.jobs if k in media})}, "
-              f"{rec.tokens_per_s:.0f} tokens/s\n  " + train_command(args.model, rec))
+              f"{rec.tokens_per_s:.0f} tokens/s; critical path {rec.critical_path}\n  "
+              + train_command(args.model, rec))
     else:
         print("\nno layout fits")
+    if getattr(args, "published", False):
+        print(published_ratio(rows))
     if args.json:
         doc = {"model": args.model, "family": family.name, "gpus": args.gpus, "gpu_memory_gb": limit,
-               "rows": [r.to_dict() for r in rows], "recommended": rec.to_dict() if rec else None}
+               "pricing": pricing.label, "rows": [r.to_dict() for r in rows],
+               "recommended": rec.to_dict() if rec else None}
         Path(args.json).write_text(json.dumps(doc, indent=2))
     if args.plot:
         plot(rows, limit, args.plot)
+    return 0
+
+
+PUBLISHED_VISION = "1024,4096,16384,65536"
+PUBLISHED_RATIO = (1.26, 1.37)  # dhp's throughput over uniform TP, the published 32B runs on 8 x H100
+
+
+def published(args: Any, family: Any) -> tuple[list[dict[str, int]], tuple[str, ...], str, Callable[[Row], bool]]:
+    """``--published``: the published experiment's setting. 8 x H100 80 GB, 512 text tokens, 1k-65k vision
+    tokens, pure bf16 (8 bytes per parameter), collocated: uniform TP against vision SP 8 + text TP 8. Sets
+    ``args`` (gpus, device, text tokens, vision sizes) and returns (media points, strategies, precision, the
+    candidates to keep)."""
+    args.gpus, args.text_tokens = 8, 512
+    setattr(args, f"{family.encoders[0].name}_tokens", PUBLISHED_VISION)
+    enc, lang = family.encoders[0].name, family.language.name
+
+    def keep(r: Row) -> bool:
+        if r.strategy != "dhp-collocated":
+            return True
+        return r.jobs[enc].inner_kind == "sp" and r.jobs[enc].inner == 8 and r.jobs[lang].inner == 8
+
+    return media_points(family, args), ("uniform-tp", "dhp-collocated"), "bf16", keep
+
+
+def published_ratio(rows: list[Row]) -> str:
+    """Per vision size and checkpointing: dhp's tokens/s over uniform TP's, beside the published ratio, and
+    both rows' breakdown (what differs)."""
+    lines = [f"\npredicted dhp (vision SP 8 + text TP 8) / uniform TP, against the published "
+             f"{PUBLISHED_RATIO[0]}-{PUBLISHED_RATIO[1]}x:"]
+    by = {(tuple(sorted(r.media_tokens().items())), r.ac, r.strategy): r for r in rows}
+    for (media, ac, strategy), d in sorted(by.items()):
+        u = by.get((media, ac, "uniform-tp"))
+        if strategy != "dhp-collocated" or u is None:
+            continue
+        size = ", ".join(f"{n} {k}" for k, n in media)
+        lines.append(f"  {size} tokens, AC {'on' if ac else 'off'}: {d.tokens_per_s / u.tokens_per_s:.2f}x "
+                     f"(dhp {d.step_time_s:.2f} s, uniform {u.step_time_s:.2f} s; uniform TP here: "
+                     + " | ".join(f"{k} {_layout(j)}" for k, j in u.jobs.items()) + ")")
+        for name, row in (("dhp", d), ("uniform", u)):
+            lines.append(f"    {name:<8}" + "; ".join(
+                f"{g}: compute {v['compute_s']:.2f}, comm {v['comm_exposed_s']:.2f} exposed / "
+                f"{v['comm_hidden_s']:.2f} hidden, router {v['router_s']:.2f}, optimizer {v['optimizer_s']:.2f} s"
+                for g, v in row.groups.items()))
+    return "\n".join(lines)
+
+
+def run_calibrate(args: Any) -> int:
+    """``dhp plan calibrate --out profile.json [--on cpu|cuda] [--quick]``."""
+    from dhp.plan.calibrate import calibrate
+
+    out = getattr(args, "out", None) or "profile.json"
+    prof = calibrate(getattr(args, "on", None), quick=bool(getattr(args, "quick", False)),
+                     log=lambda s: print(s, file=sys.stderr, flush=True), threads=getattr(args, "threads", None))
+    prof.save(out)
+    print(f"wrote {out}: {prof.label}; GEMM up to {prof.peak_flops / 1e9:.1f} GFLOP/s, memory "
+          f"{prof.hbm_bytes_per_s / 1e9:.1f} GB/s, {prof.cpu_op_s * 1e6:.1f} us per op, "
+          f"{len(prof.collectives)} collective fits")
     return 0
 
 
@@ -159,13 +305,16 @@ class Heartbeat:
 
 
 def plot(rows: list[Row], limit: float, path: str) -> None:
+    """Two panels: per-rank peak against the first encoder's tokens per strategy (the GPU limit marked), and the
+    step-time breakdown of every row at the largest size (compute, exposed communication, router, optimizer and
+    idle, per group)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     axis = next(iter(rows[0].media_tokens()), "media") if rows else "media"  # the first encoder's sizes
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5))
     for key in sorted({(r.strategy, r.ac) for r in rows}):
         pts = sorted((r.media_tokens().get(axis, 0), max(g["peak_gb"] for g in r.groups.values()))
                      for r in rows if (r.strategy, r.ac) == key)
@@ -176,5 +325,31 @@ def plot(rows: list[Row], limit: float, path: str) -> None:
     ax.set_xlabel(f"{axis} tokens per sample")
     ax.set_ylabel("per-rank peak (GB)")
     ax.legend(fontsize=7)
+    breakdown(bx, rows, axis)
     fig.tight_layout()
     fig.savefig(path)
+    plt.close(fig)
+
+
+PARTS = (("compute_s", "compute"), ("comm_exposed_s", "comm exposed"), ("router_s", "router"),
+         ("optimizer_s", "optimizer"), ("idle_s", "idle"))
+
+
+def breakdown(ax: Any, rows: list[Row], axis: str) -> None:
+    """Stacked seconds per step, one bar per (row, group), the rows at the largest ``axis`` size."""
+    if not rows:
+        return
+    top = max(r.media_tokens().get(axis, 0) for r in rows)
+    at = sorted((r for r in rows if r.media_tokens().get(axis, 0) == top), key=lambda r: (r.strategy, r.ac))
+    bars = [(f"{r.strategy}{' +AC' if r.ac else ''}\n{g}{'' if r.fits else ' (no fit)'}", r.groups[g])
+            for r in at for g in r.groups]
+    bottom = [0.0] * len(bars)
+    for key, label in PARTS:
+        vals = [g.get(key, 0.0) for _, g in bars]
+        ax.bar(range(len(bars)), vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels([n for n, _ in bars], rotation=70, fontsize=6)
+    ax.set_ylabel("seconds per step (per rank of the group)")
+    ax.set_title(f"step-time breakdown at {top} {axis} tokens")
+    ax.legend(fontsize=7)

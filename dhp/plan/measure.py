@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dhp.plan.ops import OpTally, extrapolate_regions
+
 GiB = 1024**3
 
 # ---- what to measure, and what comes back -------------------------------------------------------------------------
@@ -89,6 +91,10 @@ class GroupResult:
     step_comm: dict[str, int] = field(default_factory=dict)  # payload bytes per kind, once per step
     router: int = 0  # embedding bytes in + their gradients out, one micro-batch of this rank
     parameters: int = 0  # local parameter elements
+    comm_calls: dict[str, int] = field(default_factory=dict)  # collective calls per kind, one micro-batch
+    step_comm_calls: dict[str, int] = field(default_factory=dict)  # ... once per step
+    ops: list[dict[str, float]] = field(default_factory=list)  # ``ops.OpTally`` regions of one micro-batch
+    step_ops: list[dict[str, float]] = field(default_factory=list)  # ... of the gradient reduction and step
     breakdown: dict[str, int] = field(default_factory=dict)  # the tracker's peak snapshot
 
     @property
@@ -475,22 +481,23 @@ def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True
             res.weights = _local_bytes(list(eng.module.parameters()) + list(eng.module.buffers()))
             res.optimizer = _local_bytes(_optimizer_state(eng.optimizer)) if eng.optimizer else 0
             flops, comm = _local_flop_counter(), CommCounter()
+            tally, step_tally = OpTally(skip=_propagating), OpTally(skip=_propagating)
             with ExitStack() as stack:
                 stack.enter_context(_untracked_sharding_propagation())
                 stack.enter_context(tracker)
                 if not static:
-                    with flops, comm:
+                    with flops, comm, tally:
                         after_fwd, before, res.router = _micro_batch(eng, inputs, tracker)
                     res.retained = max(0, after_fwd - before)
                 res.grads = _local_bytes([p.grad for p in eng.trainable]) if not static else 0
                 fb = _device_snapshot(tracker.get_tracker_snapshot("peak"))
                 tracker._peak_mem, tracker._peak_mem_snap = {}, {}  # the step's own peak from here
                 step = CommCounter()
-                with step:
+                with step, step_tally:
                     eng.finish_gradients(1.0)  # real code: zero grads where a parameter got none, dp/sp reduce
                 if static:
                     res.grads = _local_bytes([p.grad for p in eng.trainable])
-                with step:  # (the global norm is a few scalars, and a host read: left out)
+                with step, step_tally:  # (the global norm is a few scalars, and a host read: left out)
                     eng.step(1.0)
             st = _device_snapshot(tracker.get_tracker_snapshot("peak"))
             res.peak_fb, res.peak_step = fb.get("Total", 0), st.get("Total", 0)
@@ -501,6 +508,9 @@ def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True
             res.comm = dict(comm.bytes)
             res.comm_sent = dict(comm.sent)
             res.step_comm = dict(step.bytes)
+            res.comm_calls, res.step_comm_calls = dict(comm.calls), dict(step.calls)
+            res.ops = tally.tally() if not static else []
+            res.step_ops = step_tally.tally()
     finally:
         if fake and dist.is_initialized():
             dist.destroy_process_group()
@@ -508,6 +518,10 @@ def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True
 
 
 _PROPAGATING = [0]  # > 0 while DTensor's sharding propagator runs an op on global-shape fake tensors
+
+
+def _propagating() -> bool:
+    return _PROPAGATING[0] > 0
 
 
 @contextmanager
@@ -738,7 +752,9 @@ def extrapolate(a: GroupResult, b: GroupResult, t: float) -> GroupResult:
         val = x + t * (y - x)
         setattr(out, name, type(x)(round(val)) if isinstance(x, int) else val)
     out.peak = max(out.peak_fb, out.peak_step)
-    for name in ("comm", "comm_sent", "step_comm", "breakdown"):
+    for name in ("ops", "step_ops"):
+        setattr(out, name, extrapolate_regions(getattr(a, name), getattr(b, name), t))
+    for name in ("comm", "comm_sent", "step_comm", "comm_calls", "step_comm_calls", "breakdown"):
         x, y = getattr(a, name), getattr(b, name)
         setattr(out, name, {k: int(round(x.get(k, 0) + t * (y.get(k, 0) - x.get(k, 0)))) for k in {*x, *y}})
     return out

@@ -15,28 +15,31 @@ global batch (``micro_batch_size`` samples per GPU per step):
 each with and without activation checkpointing (every module). A group's figures come from one fake run of
 one of its ranks (``measure_model``); a run is keyed by what changes it, so layouts share runs.
 
-Step time (stated, not tuned): a micro-batch of a rank takes FLOPs / (peak x efficiency) plus its
-collectives at the device's link bandwidth (ring all-reduce 2(n-1)/n of the payload, all-gather (n-1) x, reduce-
-scatter (n-1)/n x, all-to-all the bytes it sends); FSDP2's all-gathers and reduce-scatters overlap the
-compute (the larger of the two counts). Per step a group runs its replica's micro-batches, its gradient
-reduction, and its optimizer step at memory bandwidth (weights, gradients and state read and written once).
-Router bytes (the encoders' embeddings and their gradients, in the compute dtype) cross the link once per
-micro-batch. Collocated groups take turns (the sum); disaggregated groups overlap (the larger, plus one
-micro-batch of the quickest to fill the pipeline). A collocated GPU holds, while one group runs, the other
-groups' weights, gradients, optimizer state and (an encoder) the activations it keeps for its backward.
+Step time (stated, not tuned): every op a group's rank dispatches in its fake run (``dhp.plan.ops``) priced on
+a device profile (``dhp.plan.profile``: measured by ``dhp plan calibrate``, else the device table's roofline),
+collectives as alpha + bytes / beta, FSDP2's overlapped with the compute where the device has streams
+(``dhp.plan.costs``). Per step a group runs its replica's micro-batches, its gradient reduction and its
+optimizer step (the ops the fake run dispatched for them). Router bytes (the encoders' embeddings and their
+gradients) cross the router's link once per micro-batch. Collocated groups take turns (the sum); disaggregated
+groups overlap (the larger, plus one micro-batch of the quickest to fill the pipeline). A collocated GPU holds,
+while one group runs, the other groups' weights, gradients, optimizer state and (an encoder) the activations it
+keeps for its backward. Each group may have its own device (``Pricing``: a pool of its own, the router over the
+link between pools).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import os
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dhp.observe.devices import Device
+from dhp.plan.costs import GroupCost, group_cost
 from dhp.plan.measure import GiB, GroupJob, GroupResult, family_of, media_of, sample_tokens
+from dhp.plan.profile import Profile, roofline
 
 STRATEGIES = ("dhp-collocated", "dhp-disaggregated", "uniform-tp", "zero3")
 SP_DEGREES = (1, 2, 4, 8, 16)  # Ulysses degrees searched for an encoder
@@ -55,6 +58,8 @@ class Row:
     tokens_per_s: float = 0.0
     groups: dict[str, dict[str, float]] = field(default_factory=dict)
     tokens_per_sample: int = 0  # the language model's sequence per sample (text and placeholders)
+    critical_path: str = ""  # the groups whose work the step waits on, in order
+    pricing: str = ""  # what priced it: the device profile(s), ``roofline`` or ``calibrated``
 
     def overrides(self) -> list[str]:
         """The config keys of the row's layout, every module's (``module.parallel.*``, checkpointing), the placement
@@ -78,7 +83,7 @@ class Row:
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": self.strategy, "overrides": self.overrides(), "media_tokens": self.media_tokens(),
                 "fits": self.fits, "step_time_s": float(self.step_time_s), "tokens_per_s": float(self.tokens_per_s),
-                "groups": self.groups}
+                "critical_path": self.critical_path, "pricing": self.pricing, "groups": self.groups}
 
 
 def as_media(media: Any, family: Any) -> dict[str, int]:
@@ -296,50 +301,60 @@ def measure_all(jobs: list[GroupJob], model_cfg: Any, workers: int | None = None
             for j in want}
 
 
-# ---- time -----------------------------------------------------------------------------------------------------
+# ---- time ----------------------------------------------------------------------------------------------------
 
 
-def _comm_seconds(comm: dict[str, int], n: int, link: float) -> float:
-    """Ring algorithms over ``n`` ranks at ``link`` bytes/s per direction."""
-    if n <= 1:
-        return 0.0
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1.0, "reduce_scatter": (n - 1) / n,
-              "broadcast": 1.0}
-    return sum(b * factor.get(k, 1.0) for k, b in comm.items()) / link
+@dataclass(frozen=True)
+class Pricing:
+    """What prices a row: the device profile of each group (``default`` where a group has none of its own: one
+    device for every group, as on one pool of GPUs), and the profile of the link between pools (a group on its
+    own device: the router crosses it; ``None``: the groups' own router fit)."""
+
+    default: Profile
+    groups: tuple[tuple[str, Profile], ...] = ()
+    link: Profile | None = None
+    memory_gb: tuple[tuple[str, float], ...] = ()  # per group, where its device differs
+
+    def of(self, group: str) -> Profile:
+        return dict(self.groups).get(group, self.default)
+
+    def limit_gb(self, group: str, default: float) -> float:
+        return dict(self.memory_gb).get(group, default)
+
+    @property
+    def label(self) -> str:
+        own = dict(self.groups)
+        if not own:
+            return self.default.label
+        return "; ".join(f"{g} {p.label}" for g, p in own.items()) + (
+            f"; {self.link.name}" if self.link else "")
 
 
-def group_time(job: GroupJob, r: GroupResult, dev: Device, samples: int) -> tuple[float, float]:
-    """(seconds of this group per step, seconds of one micro-batch)."""
-    link = dev.link_gbs * 1e9
-    compute = r.flops / (dev.peak_flops * dev.efficiency)
-    per_replica = math.ceil(samples / job.dp / job.micro_batch_size)
-    comm = dict(r.comm)
-    inner_n = job.inner
-    if job.zero == 3:
-        fsdp = {k: comm.pop(k) for k in ("all_gather", "reduce_scatter") if k in comm}
-        compute = max(compute, _comm_seconds(fsdp, job.dp, link))
-    sent = r.comm_sent.get("all_to_all", 0)
-    comm.pop("all_to_all", None)
-    mb = compute + _comm_seconds(comm, inner_n, link) + sent / link + r.router / link
-    reduce_n = job.dp * (job.inner if job.inner_kind == "sp" else 1)
-    reduce = _comm_seconds(r.step_comm, reduce_n, link)
-    opt = 2 * (r.weights + r.grads + r.optimizer) / (dev.memory_bw_gbs * 1e9)
-    return per_replica * mb + reduce + opt, mb
+def _schedule(row: Row, costs: dict[str, GroupCost]) -> tuple[float, str]:
+    """(step seconds, critical path) of the placement: collocated groups take turns (the sum; every group is on
+    the path), disaggregated groups overlap (the slowest, plus one micro-batch of the quickest to fill the
+    pipeline)."""
+    if row.placement == "collocated":
+        return sum(c.step_s for c in costs.values()), " -> ".join(costs)
+    slow = max(costs, key=lambda k: costs[k].step_s)
+    fill = min(costs, key=lambda k: costs[k].micro_batch_s)
+    return costs[slow].step_s + costs[fill].micro_batch_s, f"{fill} (1 micro-batch) -> {slow}"
 
 
 def evaluate(row: Row, results: dict[GroupJob, GroupResult], dev: Device, gpus: int, limit_gb: float,
-             text_tokens: int, family: Any = None, model_cfg: Any = None) -> Row:
-    """The row's step time, throughput and per-group peaks (a group's own peak, plus on a collocated GPU what
-    the other groups hold meanwhile). ``model_cfg`` is needed only for a row without ``tokens_per_sample``."""
+             text_tokens: int, family: Any = None, model_cfg: Any = None, pricing: Pricing | None = None,
+             samples: int | None = None) -> Row:
+    """The row's step time, throughput, per-group peaks (a group's own peak, plus on a collocated GPU what the
+    other groups hold meanwhile) and per-group time breakdown. ``pricing``: the device profiles (default: the
+    roofline of ``dev``); ``samples``: per step (default ``micro_batch_size`` per GPU). ``model_cfg`` is needed
+    only for a row without ``tokens_per_sample``."""
     family = family_of(family)
+    pricing = pricing or Pricing(roofline(dev))
     language = family.language.name
-    samples = gpus * next(iter(row.jobs.values())).micro_batch_size
+    samples = samples or gpus * next(iter(row.jobs.values())).micro_batch_size
     res = {k: results[j] for k, j in row.jobs.items()}
-    times = {k: group_time(row.jobs[k], res[k], dev, samples) for k in row.jobs}
-    if row.placement == "collocated":
-        step = sum(t for t, _ in times.values())
-    else:
-        step = max(t for t, _ in times.values()) + min(mb for _, mb in times.values())
+    costs = {k: group_cost(row.jobs[k], res[k], pricing.of(k), samples, pricing.link) for k in row.jobs}
+    step, path = _schedule(row, costs)
     resident = {k: r.weights + r.grads + r.optimizer + (r.retained if k != language else 0) for k, r in res.items()}
     groups = {}
     for k, r in res.items():
@@ -348,17 +363,20 @@ def evaluate(row: Row, results: dict[GroupJob, GroupResult], dev: Device, gpus: 
             peak += sum(v for o, v in resident.items() if o != k)
         elif k != language:
             peak += r.retained  # runtime.encoders_ahead=1: one more micro-batch's activations held
+        times = costs[k].breakdown()
         groups[k] = {"ranks": row.jobs[k].ranks, "peak_gb": peak / GiB, "weights_gb": r.weights / GiB,
                      "grads_gb": r.grads / GiB, "optimizer_gb": r.optimizer / GiB,
-                     "activations_gb": r.activations / GiB}
+                     "activations_gb": r.activations / GiB, "limit_gb": pricing.limit_gb(k, limit_gb),
+                     **times, "idle_s": max(0.0, step - times["busy_s"])}
     per_sample = row.tokens_per_sample
     if not per_sample:
         if model_cfg is None:
             raise ValueError(f"evaluate: row {row.strategy} has no tokens_per_sample; give model_cfg to count them")
         per_sample = sample_tokens(family, model_cfg, as_media(row.media, family), text_tokens)
     tokens = samples * per_sample
-    return replace(row, groups=groups, fits=all(g["peak_gb"] <= limit_gb for g in groups.values()),
-                   step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, tokens_per_sample=per_sample)
+    return replace(row, groups=groups, fits=all(g["peak_gb"] <= g["limit_gb"] for g in groups.values()),
+                   step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, tokens_per_sample=per_sample,
+                   critical_path=path, pricing=pricing.label)
 
 
 def best(rows: list[Row]) -> list[Row]:
@@ -376,14 +394,16 @@ def best(rows: list[Row]) -> list[Row]:
 
 def plan(model_cfg: Any, gpus: int, dev: Device, limit_gb: float, media: list, text_tokens: int,
          mbs: int, strategies: tuple[str, ...] = STRATEGIES, workers: int | None = None,
-         precision: str = "fp32_master", family: Any = None) -> list[Row]:
+         precision: str = "fp32_master", family: Any = None, pricing: Pricing | None = None,
+         keep: Callable[[Row], bool] | None = None) -> list[Row]:
     """Every candidate row measured and priced; ``media``: the sample sizes, ``{encoder: tokens}`` each;
     ``precision`` (``train.precision``) is what every group's weights, gradients and optimizer state are held
-    in."""
+    in; ``keep``: the candidates to measure (default: all)."""
     family = family_of(family)
     rows = candidate_rows(model_cfg, gpus, media, text_tokens, mbs, strategies, precision=precision, family=family)
+    rows = [r for r in rows if keep is None or keep(r)]
     results = measure_all([j for r in rows for j in r.jobs.values()], model_cfg, workers, family)
-    return best([evaluate(r, results, dev, gpus, limit_gb, text_tokens, family) for r in rows])
+    return best([evaluate(r, results, dev, gpus, limit_gb, text_tokens, family, pricing=pricing) for r in rows])
 
 
 # ---- a training config's layout, and the largest sample it fits ----------------------------------------------

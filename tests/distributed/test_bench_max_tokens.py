@@ -17,6 +17,9 @@ from dhp.inputs import resolve_inputs
 from dhp.plan.measure import GiB, GroupJob, measure, media_of
 from tests.spawn import run_distributed
 
+# One pytest-xdist worker runs the module: its tests share the `searched` bench (minutes of CPU), built once.
+pytestmark = pytest.mark.xdist_group("bench_max_tokens")
+
 BUDGET_GB = 0.0625  # 64 MiB: the tiny encoder's step crosses it at a few hundred vision tokens
 FLAGS = ["--max-vision-tokens", "--memory-budget-gb", str(BUDGET_GB), "--vision-tokens-start", "256",
          "--vision-tokens-max", "2048"]

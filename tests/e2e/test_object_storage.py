@@ -155,3 +155,28 @@ def test_missing_bucket_is_refused_before_anything_starts(s3, demo_overrides, ca
     assert main(["train", *over, "output.dir=s3://no-such-bucket/run", "train.steps=1"]) == EXIT_CONFIG
     err = capsys.readouterr().err
     assert "output.dir=s3://no-such-bucket/run: cannot write there" in err and "bucket exists" in err
+
+
+def test_a_parquet_set_with_inline_images_on_s3_gives_the_local_samples(s3, demo_data, tmp_path, monkeypatch):
+    """data.path=s3://.../train.parquet (images inside its rows): read from its local copy, the same samples,
+    token counts and pixels as the same file read locally."""
+    import torch
+
+    from dhp.config import load_config
+    from dhp.inputs import dataset_spec, open_dataset, resolve_inputs
+    from tests.unit.test_data_formats import _llamafactory, pa, pq
+
+    monkeypatch.setenv("DHP_CACHE", str(tmp_path / "cache"))
+    rows = [json.loads(line) for line in demo_data.train.read_text().splitlines()[:12]]
+    local = tmp_path / "train.parquet"
+    pq.write_table(pa.table(_llamafactory(rows, demo_data, inline=True)), local)
+    s3.put_file(str(local), f"{BUCKET}/parquet/train.parquet")
+    opened = {}
+    for where, path in (("local", str(local)), ("s3", f"s3://{BUCKET}/parquet/train.parquet")):
+        run = resolve_inputs(load_config(None, [f"data.path={path}", f"data.tokenizer={demo_data.tokenizer}",
+                                                "data.max_pixels=12544", "runtime.backend=local"]))
+        opened[where] = open_dataset(dataset_spec(run, run.train_path))
+    a, b = opened["local"], opened["s3"]
+    assert len(a) == len(b) == 12 and a.lengths() == b.lengths() and str(b.file).startswith(str(tmp_path / "cache"))
+    for i in (0, 5, 11):
+        assert torch.equal(a[i].input_ids, b[i].input_ids) and torch.equal(a[i].pixel_values, b[i].pixel_values)

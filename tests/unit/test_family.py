@@ -16,7 +16,7 @@ from dhp.models.registry import get_family, register_family, resolve_family
 from tests.toy_audio import TOY_FAMILY, write_audio_data
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ("dhp.models.spec", "dhp.models.registry", "dhp.models.layers")  # leaves, not families
+SHARED = ("dhp.models.spec", "dhp.models.registry", "dhp.models.layers", "dhp.models.lora")  # leaves, not families
 GENERIC = ["dhp/runtime", "dhp/parallel", "dhp/backends", "dhp/engine.py", "dhp/train.py", "dhp/inputs.py",
            "dhp/evaluate.py", "dhp/cli.py", "dhp/config.py", "dhp/data/sampler.py"]
 
@@ -178,6 +178,8 @@ def test_toy_processor_counts_from_headers_and_names_a_bad_clip(audio_overrides,
             assert audio.num_placeholders(sample, inputs.model_cfg) == sum(frames) // 2
     bad = next(k for k, r in enumerate(rows) if "audio" in r)
     np.save(rows[bad]["audio"][0], np.zeros((3, 12), np.float32))  # an odd number of frames
+    # a media file changed in place leaves the data file's index key as it was: validated again without the cache
+    inputs = resolve_inputs(load_config(None, [*audio_overrides, "data.index_cache=false"]))
     with pytest.raises(DataError, match=rf"(?s)sample {bad}.*{Path(rows[bad]['audio'][0]).name}.*even"):
         open_dataset(dataset_spec(inputs, inputs.train_path))
 

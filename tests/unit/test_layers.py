@@ -12,12 +12,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom to top (docs/design.md, "Layers"). A module may import its own layer and the ones below, never above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaves", ("dhp.errors", "dhp.progress", "dhp.storage", "dhp.optim", "dhp.lifetime")),
+    ("leaves", ("dhp.errors", "dhp.progress", "dhp.storage", "dhp.optim", "dhp.lifetime", "dhp.data_path")),
     ("observe", ("dhp.observe",)),
     ("ops", ("dhp.ops",)),
     ("parallel", ("dhp.parallel",)),
     ("model interface", ("dhp.models.spec", "dhp.models.registry", "dhp.models.layers", "dhp.models.adapter",
-                         "dhp.models.loss", "dhp.models")),
+                         "dhp.models.loss", "dhp.models.lora", "dhp.models")),
     ("config", ("dhp.config",)),
     ("data", ("dhp.data",)),
     ("families", tuple(f"dhp.models.{d.name}" for d in sorted((ROOT / "dhp" / "models").iterdir())

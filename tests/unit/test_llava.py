@@ -340,6 +340,7 @@ def test_long_validation_shows_progress(good_dir: Path, tok: Tokenizer, monkeypa
     SFTDataset(CFG, tok, path, processor=VL(CFG, tok))
     assert capsys.readouterr().err == ""  # quick: quiet
     monkeypatch.setattr(llava, "PROGRESS_AFTER_S", 0.0)
-    SFTDataset(CFG, tok, path, processor=VL(CFG, tok))
+    uncached = replace(CFG, index_cache=False)  # (the first open cached the index: a second would not validate)
+    SFTDataset(uncached, tok, path, processor=VL(uncached, tok))
     err = capsys.readouterr().err
     assert f"validating {path}: 30/30 samples (100%)" in err and "3/30" in err

@@ -122,20 +122,25 @@ def test_json_schema(tmp_path: Any, capsys: Any) -> None:
           "--strategies", "dhp-collocated,uniform-tp", "--json", str(out)])
     assert "fastest that fits" in capsys.readouterr().out
     doc = json.loads(out.read_text())
-    assert set(doc) == {"model", "family", "gpus", "gpu_memory_gb", "rows", "recommended"}
+    assert set(doc) == {"model", "family", "gpus", "gpu_memory_gb", "pricing", "rows", "recommended"}
+    assert doc["pricing"].startswith("roofline")  # no --profile: the device table's roofline, said so
     assert doc["model"] == "tiny" and doc["family"] == "qwen2_5_vl" and doc["gpus"] == 2
     assert isinstance(doc["gpu_memory_gb"], float)
     assert {r["strategy"] for r in doc["rows"]} == {"dhp-collocated", "uniform-tp"}
     for row in [*doc["rows"], doc["recommended"]]:
         assert set(row) == {"strategy", "overrides", "media_tokens", "fits", "step_time_s", "tokens_per_s",
-                            "groups"}
+                            "critical_path", "pricing", "groups"}
         assert all(isinstance(o, str) and "=" in o for o in row["overrides"])
         assert row["media_tokens"] == {"vision": 1024} and isinstance(row["fits"], bool)
         assert row["step_time_s"] > 0 and row["tokens_per_s"] > 0
         assert set(row["groups"]) == {"vision", "text"}
         for g in row["groups"].values():
-            assert set(g) == {"ranks", "peak_gb", "weights_gb", "grads_gb", "optimizer_gb", "activations_gb"}
+            assert set(g) == {"ranks", "peak_gb", "weights_gb", "grads_gb", "optimizer_gb", "activations_gb",
+                              "limit_gb", "compute_s", "device_s", "host_s", "comm_exposed_s", "comm_hidden_s",
+                              "router_s", "optimizer_s", "busy_s", "idle_s"}
             assert isinstance(g["ranks"], int) and g["peak_gb"] >= g["weights_gb"] > 0
+            assert 0 < g["compute_s"] <= g["busy_s"] <= row["step_time_s"] + 1e-12
+            assert g["busy_s"] + g["idle_s"] == pytest.approx(row["step_time_s"])
 
 
 def test_tp_text_gradients_are_sharded_like_the_weights() -> None:

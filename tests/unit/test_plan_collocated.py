@@ -18,6 +18,7 @@ from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig, TextConfig, VisionCon
 from dhp.observe.devices import get_device
 from dhp.plan import planner
 from dhp.plan.measure import GiB, GroupJob, measure, measure_collocated, measure_model, media_of
+from dhp.plan.ops import merged
 from tests.spawn import run_distributed
 from tests.unit.test_plan import TINY, tiny_cfg
 
@@ -48,6 +49,13 @@ def test_depth_extrapolation_matches_whole_model(module: str, kind: str, ac: boo
     assert (ext.comm, ext.comm_sent, ext.step_comm) == (whole.comm, whole.comm_sent, whole.step_comm)
     assert (ext.weights, ext.grads, ext.optimizer) == (whole.weights, whole.grads, whole.optimizer)
     assert ext.peak == whole.peak
+    # the op tally the step time is priced from (``dhp.plan.ops``): every matmul shape, attention's work, the
+    # memory-bound bytes and the ops dispatched, of the micro-batch and of the step, and the collectives' calls
+    assert (ext.comm_calls, ext.step_comm_calls) == (whole.comm_calls, whole.step_comm_calls)
+    for got, want in ((merged(ext.ops), merged(whole.ops)), (merged(ext.step_ops), merged(whole.step_ops))):
+        assert set(got) == set(want)
+        assert all(got[k] == pytest.approx(want[k], rel=1e-9) for k in want), {
+            k: (got[k], want[k]) for k in want if got[k] != pytest.approx(want[k], rel=1e-9)}
 
 
 # ---- a ~0.1B config: the fake prediction against real gloo ranks -------------------------------------------------

@@ -16,8 +16,40 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 
+class VisionGeometry:
+    """What a Qwen vision config derives from its fields (``hidden_size``, ``num_heads``, the patch and merge
+    sizes): shared by Qwen2.5-VL's and Qwen3-VL's ``VisionConfig``."""
+
+    hidden_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one flattened patch in ``pixel_values``: C * T * P * P (1176 for Qwen2.5-VL, 1536 for
+        Qwen3-VL)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size**2
+
+    def validate_heads(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"vision hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
+        if self.head_dim % 4:
+            raise ValueError(f"vision head_dim {self.head_dim} must be a multiple of 4 (2D rotary)")
+
+
 @dataclass(frozen=True)
-class VisionConfig:
+class VisionConfig(VisionGeometry):
     depth: int = 32
     hidden_size: int = 1280
     intermediate_size: int = 3420
@@ -34,28 +66,12 @@ class VisionConfig:
     rms_norm_eps: float = 1e-6
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Length of one flattened patch in ``pixel_values``: C * T * P * P (1176 for Qwen)."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size**2
-
-    @property
     def window_merged(self) -> int:
         """Side of an attention window in merged tokens."""
         return self.window_size // self.spatial_merge_size // self.patch_size
 
     def validate(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"vision hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
-        if self.head_dim % 4:
-            raise ValueError(f"vision head_dim {self.head_dim} must be a multiple of 4 (2D rotary)")
+        self.validate_heads()
         bad = [i for i in self.fullatt_block_indexes if not 0 <= i < self.depth]
         if bad:
             raise ValueError(f"fullatt_block_indexes {bad} outside 0..{self.depth - 1}")

@@ -85,10 +85,11 @@ def fused_rows_transform(sizes: Sequence[int], tp: int) -> LayoutTransform:
 
 
 def _fused_transforms(module: nn.Module, suffix: str, sizes: Sequence[int], tp: int) -> dict[str, LayoutTransform]:
-    """The transform of every fused ``<suffix>.weight`` / ``.bias`` of ``module`` under TP: rows grouped by rank."""
+    """The transform of every fused ``<suffix>.weight`` / ``.bias`` of ``module`` under TP: rows grouped by rank
+    (and of its LoRA ``lora_B``, whose rows are the base's)."""
     transform = fused_rows_transform(sizes, tp)
     return {name.replace("._checkpoint_wrapped_module", ""): transform for name, _ in module.named_parameters()
-            if name.endswith((f"{suffix}.weight", f"{suffix}.bias"))}
+            if name.endswith((f"{suffix}.weight", f"{suffix}.bias", f"{suffix}.lora_B.weight"))}
 
 
 def vision_layout_transforms(module: nn.Module, par: Any) -> dict[str, LayoutTransform]:

@@ -95,14 +95,16 @@ def _shape_only_attention():
         text.packed_attention, vision.packed_attention = saved
 
 
-def count_vision(model_cfg: Qwen2_5_VLConfig, grids: Sequence[Sequence[int]]) -> tuple[float, float]:
+def count_vision(model_cfg: Qwen2_5_VLConfig, grids: Sequence[Sequence[int]],
+                 family: str = "qwen2_5_vl") -> tuple[float, float]:
     """(forward, backward) FLOPs of the vision module built by the family on the meta device, counted by
-    ``FlopCounterMode`` over a forward and backward of a packed batch of images ``grids``."""
+    ``FlopCounterMode`` over a forward and backward of a packed batch of images ``grids``. ``family``: another
+    family whose encoder uses these attention classes (Qwen3-VL)."""
     from dhp.models.registry import get_family  # by name: the family imports this file
     from dhp.observe.flops import count_forward_backward
 
     with torch.device("meta"):
-        module = get_family("qwen2_5_vl").module("vision").build(model_cfg)
+        module = get_family(family).module("vision").build(model_cfg)
     grid = torch.tensor([list(g) for g in grids], dtype=torch.long)  # on the CPU: the layout is computed there
     patches = int(sum(t * h * w for t, h, w in grids))
     pixels = torch.empty(patches, model_cfg.vision.patch_dim, device="meta")
@@ -110,14 +112,15 @@ def count_vision(model_cfg: Qwen2_5_VLConfig, grids: Sequence[Sequence[int]]) ->
         return count_forward_backward(lambda: module(pixels, grid))
 
 
-def count_text(model_cfg: Qwen2_5_VLConfig, segments: Sequence[int]) -> tuple[float, float]:
+def count_text(model_cfg: Qwen2_5_VLConfig, segments: Sequence[int], family: str = "qwen2_5_vl") -> tuple[float, float]:
     """(forward, backward) FLOPs of the language module built by the family on the meta device, counted by
-    ``FlopCounterMode`` over ``loss_sum`` and its backward on one packed micro-batch of ``segments``."""
+    ``FlopCounterMode`` over ``loss_sum`` and its backward on one packed micro-batch of ``segments``. ``family``:
+    another family whose decoder subclasses this one's (Qwen3-VL)."""
     from dhp.models.registry import get_family  # by name: the family imports this file
     from dhp.observe.flops import count_forward_backward
 
     with torch.device("meta"):
-        module = get_family("qwen2_5_vl").module("text").build(model_cfg)
+        module = get_family(family).module("text").build(model_cfg)
     module.embed = lambda ids, media=None: module.embed_tokens(ids)  # placeholder checks need values
     tokens = int(sum(segments))
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")

@@ -6,6 +6,8 @@ for the single-process reference, for evaluation and for the weight adapter.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -17,11 +19,17 @@ from dhp.parallel.materialize import init_by_name
 
 
 class Qwen2_5_VL(nn.Module):
+    """The whole model. A family whose model has the same two halves (Qwen3-VL) subclasses it, bringing its own
+    ``build_modules`` and ``position_ids``."""
+
     def __init__(self, cfg: Qwen2_5_VLConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.visual = VisionTransformer(cfg.vision)
-        self.language = TextModel(cfg.text, cfg.image_token_id)
+        self.visual, self.language = self.build_modules(cfg)
+
+    def build_modules(self, cfg: Qwen2_5_VLConfig) -> tuple[nn.Module, nn.Module]:
+        """(the vision encoder, the language model)."""
+        return VisionTransformer(cfg.vision), TextModel(cfg.text, cfg.image_token_id)
 
     def reset_parameters(self, seed: int | None = None, std: float = 0.02) -> None:
         """Each module is initialised from its own seed (``seed + 0`` vision, ``seed + 1`` text) by parameter
@@ -99,8 +107,13 @@ class Qwen2_5_VL(nn.Module):
 
 def build_model(cfg: Qwen2_5_VLConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Qwen2_5_VL:
     """A randomly initialised model; on ``device="meta"`` nothing is allocated."""
+    return build_whole(Qwen2_5_VL, cfg, device, seed)
+
+
+def build_whole(model_class: type, cfg: object, device: str | torch.device = "cpu", seed: int | None = None) -> Any:
+    """``model_class(cfg)`` on ``device``, randomly initialised (``reset_parameters(seed)``) unless on meta."""
     with torch.device(device):
-        model = Qwen2_5_VL(cfg)
+        model = model_class(cfg)
     if str(device) != "meta":
         model.reset_parameters(seed)
     return model

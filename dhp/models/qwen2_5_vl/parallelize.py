@@ -55,6 +55,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dhp.models.layers import compute_dtype
+from dhp.models.lora import lora_plan
 from dhp.models.qwen2_5_vl.config import TextConfig, VisionConfig
 from dhp.models.qwen2_5_vl.text import TextModel, text_qkv_sizes
 from dhp.models.qwen2_5_vl.vision import VisionTransformer
@@ -224,9 +225,9 @@ def parallelize_text(model: TextModel, tp_mesh: DeviceMesh, sequence_parallel: b
         top, layer_plan = text_sp_top_plan(), text_sp_layer_plan(model.cfg)
     else:
         top, layer_plan = text_top_plan(), text_layer_plan(model.cfg)
-    parallelize_module(model, tp_mesh, top)
+    parallelize_module(model, tp_mesh, lora_plan(model, top))
     for layer in model.layers:
-        parallelize_module(layer, tp_mesh, layer_plan)
+        parallelize_module(layer, tp_mesh, lora_plan(layer, layer_plan))  # LoRA adapters laid out as Megatron's
     if tied:  # both halves were sharded Shard(0) on the vocabulary: share one DTensor again
         model.lm_head.weight = model.embed_tokens.weight
     if sequence_parallel:
@@ -308,5 +309,5 @@ def parallelize_vision_tp(model: VisionTransformer, tp_mesh: DeviceMesh) -> None
     heads = model.cfg.num_heads
     check_vision_tp(heads, tp)
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, vision_block_plan(model.cfg))
+        parallelize_module(block, tp_mesh, lora_plan(block, vision_block_plan(model.cfg)))
         block.attn.num_heads = heads // tp  # the attention views the local qkv output with the local head count

@@ -240,10 +240,18 @@ class Images(Media):
         self.placeholder, self.min_pixels, self.max_pixels = placeholder, min_pixels, max_pixels
 
     def probe(self, source: Path) -> tuple[int, int, int]:
+        return self._grid(source, verify=True)
+
+    def probe_header(self, source: Path) -> tuple[int, int, int]:
+        return self._grid(source, verify=False)
+
+    def _grid(self, source: Path, verify: bool) -> tuple[int, int, int]:
+        """The patch grid from the header; ``verify``: the whole file read through first (PIL's verify)."""
         try:
             with Image.open(source) as img:
                 width, height = img.size
-                img.verify()
+                if verify:
+                    img.verify()
         except Exception as e:  # PIL raises many types for corrupt files
             raise MediaError(f"image {source} is unreadable or corrupt ({type(e).__name__}: {e}); replace the "
                              "file") from None
@@ -326,16 +334,17 @@ def vision_placeholders(tokenizer: Any) -> tuple[Placeholder, Placeholder]:
     return Placeholder(ids["image_token_id"], start, end), Placeholder(ids["video_token_id"], start, end)
 
 
-def check_geometry(model_cfg: Any) -> None:
-    """The model's vision config must be the geometry this processor cuts patches for."""
+def check_geometry(model_cfg: Any, want: tuple[int, int, int, int] = (PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE_SIZE, 3),
+                   family: str = "Qwen2.5-VL") -> None:
+    """The model's vision config must be the geometry this processor cuts patches for: ``want`` = (patch size,
+    temporal patch size, merge size, channels), ``family``'s (another family's processor passes its own)."""
     v = getattr(model_cfg, "vision", None)
     if v is None:
         return
     have = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size, v.in_channels)
-    want = (PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE_SIZE, 3)
-    if have != want:
+    if have != tuple(want):
         raise ValueError(f"vision config (patch_size, temporal_patch_size, spatial_merge_size, in_channels) = {have}; "
-                         f"the Qwen2.5-VL processor cuts {want}: use a Qwen2.5-VL checkpoint's config")
+                         f"the {family} processor cuts {tuple(want)}: use a {family} checkpoint's config")
 
 
 class Qwen2_5_VLProcessor(Processor):

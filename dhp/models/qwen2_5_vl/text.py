@@ -71,14 +71,17 @@ class Attention(nn.Module):
     """GQA attention (qkv bias, M-RoPE) with one fused ``qkv_proj``: rows ``[q (H*hd); k (KV*hd); v (KV*hd)]``,
     one matmul for the three (HF keeps ``q_proj``, ``k_proj``, ``v_proj``: the weight adapter maps them). Under
     text TP the rows are rank-ordered (``FusedColwise``): each rank's local output is ``[its q; its k; its v]``
-    heads, in the same proportion, so the head counts come from the local width."""
+    heads, in the same proportion, so the head counts come from the local width. A subclass may drop the qkv
+    bias (``qkv_bias``) and transform the q and k heads before the rotary (``norm_qk``: Qwen3's per-head norm)."""
+
+    qkv_bias: bool = True
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(text_qkv_sizes(cfg)), bias=True)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(text_qkv_sizes(cfg)), bias=self.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
 
     def forward(
@@ -90,16 +93,23 @@ class Attention(nn.Module):
         kv = heads // (self.num_heads // self.num_kv_heads + 2)  # Hq = group * Hkv on every rank
         q, k, v = qkv.view(b * seq, heads, self.head_dim).split([heads - 2 * kv, kv, kv], dim=1)
         cos, sin = (r.reshape(b * seq, -1) for r in rope)
+        q, k = self.norm_qk(q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = packed_attention(q, k, v, cu_seqlens, causal=True)  # [B*L, H, hd]
         return self.o_proj(out.view(b, seq, -1))
 
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q and k heads ``[B*L, H, hd]`` before the rotary: as they are (a subclass may normalise them)."""
+        return q, k
+
 
 class DecoderLayer(nn.Module):
+    attention_class: type[nn.Module] = Attention  # a subclass's family may bring its own attention
+
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = self.attention_class(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=False)
 
@@ -119,14 +129,16 @@ class TextModel(nn.Module):
 
     loss_chunk_tokens: int = 0
     attention_kernel: str = "auto"
+    rotary_class: type[nn.Module] = MRotary  # a subclass (another family's decoder) may bring its own rotary
+    layer_class: type[nn.Module] = DecoderLayer  # and decoder layer
 
     def __init__(self, cfg: TextConfig, image_token_id: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.image_token_id = image_token_id
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = MRotary(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.rotary = self.rotary_class(cfg)
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -190,19 +202,24 @@ class TextModel(nn.Module):
         cu_seqlens: Segments | torch.Tensor | None = None,
         meta: PackedMeta | None = None,
     ) -> torch.Tensor:
-        """The final norm's output [B, L, D]. The attention's segments: ``meta``'s (host metadata), else
-        ``cu_seqlens`` (a host tensor or ``Segments``), else each row its own sequence."""
-        b, seq = input_ids.shape
-        if meta is not None:
-            bounds = meta.cu_seqlens
-        else:
-            bounds = cu_seqlens if cu_seqlens is not None else range(0, (b + 1) * seq, seq)
-        segments = Segments.of(bounds, self.attention_kernel)  # once per micro-batch: every layer shares it
+        """The final norm's output [B, L, D] (the attention's segments: ``segments``)."""
+        segments = self.segments(input_ids, cu_seqlens, meta)  # once per micro-batch: every layer shares it
         x = self.embed(input_ids, media) if meta is None else self.embed(input_ids, media, meta.placeholders)
         rope = self.rotary(position_ids)
         for layer in self.layers:
             x = layer(x, rope, segments)
         return self.norm(x)
+
+    def segments(self, input_ids: torch.Tensor, cu_seqlens: Segments | torch.Tensor | None,
+                 meta: PackedMeta | None) -> Segments:
+        """The attention's segments: ``meta``'s (host metadata), else ``cu_seqlens`` (a host tensor or
+        ``Segments``), else each row of ``input_ids`` its own sequence."""
+        b, seq = input_ids.shape
+        if meta is not None:
+            bounds = meta.cu_seqlens
+        else:
+            bounds = cu_seqlens if cu_seqlens is not None else range(0, (b + 1) * seq, seq)
+        return Segments.of(bounds, self.attention_kernel)
 
     def loss_sum(
         self,

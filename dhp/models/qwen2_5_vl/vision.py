@@ -72,16 +72,19 @@ def vision_layout(grid_thw: torch.Tensor, cfg: VisionConfig) -> VisionLayout:
 
 
 class PatchEmbed(nn.Module):
-    """Conv3d over (T=2, P, P) patches with stride = kernel, i.e. one linear map of each flattened patch."""
+    """Conv3d over (T=2, P, P) patches with stride = kernel, i.e. one linear map of each flattened patch (no bias
+    here; a subclass sets ``bias``: Qwen3-VL's has one)."""
+
+    bias: bool = False
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=False)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=self.bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [N, C*T*P*P] -> [N, C_v]
         w = self.proj.weight
-        return F.linear(pixel_values.to(w.dtype), w.view(w.shape[0], -1))
+        return F.linear(pixel_values.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
 
 
 class VisionRotary(nn.Module):

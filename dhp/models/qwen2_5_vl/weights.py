@@ -25,8 +25,7 @@ import torch
 from dhp.models.adapter import Fused, RuleAdapter
 from dhp.models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from dhp.models.qwen2_5_vl.model import Qwen2_5_VL
-from dhp.models.qwen2_5_vl.text import MRotary, text_qkv_sizes
-from dhp.models.qwen2_5_vl.vision import VisionRotary
+from dhp.models.qwen2_5_vl.text import text_qkv_sizes
 
 GATE_UP = Fused(r".*\.mlp\.", "gate_up_proj", ("gate_proj", "up_proj"))  # vision and text SwiGLUs: equal halves
 TEXT_QKV = Fused(r"language\.layers\.\d+\.self_attn\.", "qkv_proj", ("q_proj", "k_proj", "v_proj"),
@@ -79,10 +78,17 @@ def load_hf_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> 
 
     Tensors keep the checkpoint's dtype. Missing or unknown keys are an error that lists them.
     """
-    cfg = read_hf_config(path)
+    return build_from_hf(Qwen2_5_VL, read_hf_config(path), path, WEIGHTS, device)
+
+
+def build_from_hf(model_class: type, cfg: Any, path: str | Path, weights: RuleAdapter,
+                  device: str | torch.device) -> Any:
+    """``model_class(cfg)`` built on meta and filled from the checkpoint at ``path`` through ``weights`` (missing
+    or unknown keys: an error listing them), its rotary tables rebuilt, then moved to ``device``. Shared by the
+    families whose whole model has ``visual`` and ``language`` halves (Qwen2.5-VL, Qwen3-VL)."""
     with torch.device("meta"):
-        model = Qwen2_5_VL(cfg)
-    load_into(model, WEIGHTS.load_hf(path), source=str(path))
+        model = model_class(cfg)
+    load_into(model, weights.load_hf(path), source=str(path))
     _rebuild_buffers(model)
     return model.to(device)
 
@@ -103,8 +109,8 @@ def load_into(model: Qwen2_5_VL, state: dict[str, torch.Tensor], source: str) ->
 
 def _rebuild_buffers(model: Qwen2_5_VL) -> None:
     """Non-persistent buffers (rotary frequencies) are not in checkpoints: build them on the CPU."""
-    model.visual.rotary = VisionRotary(model.cfg.vision)
-    model.language.rotary = MRotary(model.cfg.text)
+    model.visual.rotary = type(model.visual.rotary)(model.cfg.vision)  # the family's own rotary classes
+    model.language.rotary = model.language.rotary_class(model.cfg.text)
 
 
 def hf_state_dict(model: Qwen2_5_VL) -> dict[str, torch.Tensor]:

@@ -14,12 +14,14 @@ and no qkv bias. ``from_hf_dict`` reads the nested layout Qwen3-VL checkpoints s
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from dhp.models.qwen2_5_vl.config import _TOKEN_KEYS, VisionGeometry, _pick
 
 
 @dataclass(frozen=True)
-class VisionConfig:
+class VisionConfig(VisionGeometry):
     depth: int = 27
     hidden_size: int = 1152
     intermediate_size: int = 4304
@@ -35,28 +37,12 @@ class VisionConfig:
     layer_norm_eps: float = 1e-6
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Length of one flattened patch in ``pixel_values``: C * T * P * P (1536 for Qwen3-VL)."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size**2
-
-    @property
     def grid_per_side(self) -> int:
         """Side of the square table of learned position embeddings (48 for 2304)."""
         return math.isqrt(self.num_position_embeddings)
 
     def validate(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"vision hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
-        if self.head_dim % 4:
-            raise ValueError(f"vision head_dim {self.head_dim} must be a multiple of 4 (2D rotary)")
+        self.validate_heads()
         if self.grid_per_side**2 != self.num_position_embeddings:
             raise ValueError(f"vision num_position_embeddings {self.num_position_embeddings} is not a square")
         bad = [i for i in self.deepstack_visual_indexes if not 0 <= i < self.depth]
@@ -205,14 +191,6 @@ class Qwen3VLConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-
-
-def _pick(cls: type, src: dict[str, Any], exclude: set[str]) -> dict[str, Any]:
-    names = {f.name for f in fields(cls)} - exclude
-    return {k: src[k] for k in names if k in src}
 
 
 def _real(vision: tuple[int, int, int, tuple[int, ...]], hidden: int, inter: int, layers: int, heads: int,

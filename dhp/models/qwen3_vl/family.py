@@ -9,8 +9,14 @@ module takes exactly that in its ``media`` dict and splits it (``text.TextModel.
 moves one tensor per sample, as for Qwen2.5-VL, and the gradients of all K + 1 parts come back in it.
 
 Layouts built: data parallel, ZeRO-1, ZeRO-3 / FSDP2 and activation checkpointing on both modules (the
-``Module`` defaults: checkpointing and FSDP2 units over ``blocks`` / ``layers``), and vision Ulysses SP
-(``sequence_parallel.py``). Not yet: vision TP and text TP (not in ``inner``, so the config refuses them).
+``Module`` defaults: checkpointing and FSDP2 units over ``blocks`` / ``layers``), vision Ulysses SP
+(``sequence_parallel.py``) or vision TP over the fused qkv (the uniform-TP baseline), and text TP with or
+without Megatron SP (``parallelize.py``). Under text TP the fused q/k/v and gate/up rows, under vision TP the
+fused qkv rows, are grouped by rank: ``layout_transforms`` are Qwen2.5-VL's (the same parameter names).
+
+The modules and the family subclass Qwen2.5-VL's (``dhp.models.qwen2_5_vl.family``): names, seeds, inner
+kinds, layout checks, layout transforms, train options, the synthetic samples and the demo data are its; what
+is Qwen3-VL's own is built here (the modules, their parallelization, FLOPs, depth steps, encode, configs).
 """
 
 from __future__ import annotations
@@ -21,17 +27,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
+from dhp.models.qwen2_5_vl.family import Qwen2_5_VLFamily
+from dhp.models.qwen2_5_vl.family import Text as Qwen25Text
+from dhp.models.qwen2_5_vl.family import Vision as Qwen25Vision
 from dhp.models.qwen3_vl.config import PRESET_PREFIX, PRESETS, Qwen3VLConfig, preset
 from dhp.models.qwen3_vl.flops import text_sample_flops, vision_sample_flops
 from dhp.models.qwen3_vl.model import Qwen3VL
 from dhp.models.qwen3_vl.text import TextModel
-from dhp.models.qwen3_vl.vision import VisionTransformer, reset_rotary_buffers
+from dhp.models.qwen3_vl.vision import VisionTransformer
 from dhp.models.qwen3_vl.weights import WEIGHTS, load_into, read_hf_config
-from dhp.models.spec import Encoder, Family, LanguageModel, ParallelizeOptions, SampleInfo
+from dhp.models.spec import Encoder, LanguageModel, ParallelizeOptions, SampleInfo
 from dhp.ops.attention import host_metadata
-from dhp.parallel.tensor import heads_problem
 
 VISION_STEP = 8  # vision blocks per depth step of the planner's shallow copies
 TEXT_STEP = 8
@@ -60,39 +67,26 @@ def depth_variants(module_name: str, model_cfg: Qwen3VLConfig) -> tuple[list[Any
 # ---- vision encoder -----------------------------------------------------------------------------------
 
 
-class Vision(Encoder):
+class Vision(Qwen25Vision):
     """The vision encoder, its merger and DeepStack mergers: images and video frames into packed vision tokens."""
 
-    name = "vision"
-    weight_prefix = "visual"
-    seed_offset = 0
-    inner = ("sp",)
     projector_prefixes = ("merger.", "deepstack_merger_list.")
-    forward_methods = ("encode_rows",)
-    modalities = ("image", "video")
 
     def build(self, model_cfg: Qwen3VLConfig) -> VisionTransformer:
         return VisionTransformer(model_cfg.vision)
 
-    def reset_buffers(self, module: nn.Module) -> None:
-        reset_rotary_buffers(module)
-
-    def set_train_options(self, module: VisionTransformer, train: Any) -> None:
-        module.attention_kernel = train.attention
-
-    def placeholder_ids(self, model_cfg: Qwen3VLConfig) -> tuple[int, ...]:
-        return (model_cfg.image_token_id, model_cfg.video_token_id)  # images' embeddings first, then videos'
-
-    def check_layout(self, model_cfg: Qwen3VLConfig, sp: int, tp: int) -> str | None:
-        return heads_problem("vision.parallel.sp", sp, model_cfg.vision.num_heads, "vision heads")
-
     def parallelize(self, module: VisionTransformer, par: Any, opts: ParallelizeOptions) -> None:
-        """1. Ulysses SP (every block all-to-alls), 2.-3. the defaults: activation checkpointing, FSDP2."""
+        """1. Ulysses SP (every block all-to-alls) or TP (the uniform-TP baseline), 2.-3. the defaults:
+        activation checkpointing, FSDP2 over the blocks."""
         if par.inner_kind == "sp":
             from dhp.models.qwen3_vl.sequence_parallel import parallelize_vision_sp
 
             parallelize_vision_sp(module, par.inner_group)
-        super().parallelize(module, par, opts)
+        elif par.inner_kind == "tp":
+            from dhp.models.qwen3_vl.parallelize import parallelize_vision_tp
+
+            parallelize_vision_tp(module, par.mesh["tp"])
+        Encoder.parallelize(self, module, par, opts)
 
     def flops(self, info: SampleInfo, model_cfg: Qwen3VLConfig) -> tuple[float, float]:
         return vision_sample_flops(info, model_cfg)
@@ -129,23 +123,20 @@ VISION = Vision()
 # ---- language model -----------------------------------------------------------------------------------
 
 
-class Text(LanguageModel):
+class Text(Qwen25Text):
     """The language model and its head; DeepStack features arrive packed with the vision embeddings."""
-
-    name = "text"
-    weight_prefix = "language"
-    seed_offset = 1
-    inner = ()
 
     def build(self, model_cfg: Qwen3VLConfig) -> TextModel:
         return TextModel(model_cfg.text, model_cfg.image_token_id, model_cfg.deepstack_levels)
 
-    def reset_buffers(self, module: nn.Module) -> None:
-        reset_rotary_buffers(module)
+    def parallelize(self, module: TextModel, par: Any, opts: ParallelizeOptions) -> None:
+        """1. TP (with Megatron SP: DeepStack rows added on each rank's sequence shard), 2.-3. the defaults:
+        activation checkpointing, FSDP2 (2D with TP)."""
+        if par.inner_kind == "tp":
+            from dhp.models.qwen3_vl.parallelize import parallelize_text
 
-    def set_train_options(self, module: TextModel, train: Any) -> None:
-        module.attention_kernel = train.attention
-        module.loss_chunk_tokens = train.loss_chunk_tokens
+            parallelize_text(module, par.mesh["tp"], opts.sequence_parallel)
+        LanguageModel.parallelize(self, module, par, opts)
 
     def flops(self, info: SampleInfo, model_cfg: Qwen3VLConfig) -> tuple[float, float]:
         return text_sample_flops(info, model_cfg)
@@ -160,8 +151,10 @@ LANGUAGE = Text()
 # ---- the whole model ----------------------------------------------------------------------------------
 
 
-class Qwen3VLFamily(Family):
-    """Qwen3-VL (dense 2B/4B/8B/32B): one vision encoder (images and video, DeepStack) feeding the language model."""
+class Qwen3VLFamily(Qwen2_5_VLFamily):
+    """Qwen3-VL (dense 2B/4B/8B/32B): one vision encoder (images and video, DeepStack) feeding the language model.
+    Qwen2.5-VL's synthetic samples (the same merge and placeholder layout) and demo data (its tokenizer has the
+    Qwen vision tokens) are inherited."""
 
     name = "qwen3_vl"
     encoders = (VISION,)
@@ -206,20 +199,6 @@ class Qwen3VLFamily(Family):
         from dhp.models.qwen3_vl.processor import Qwen3VLProcessor
 
         return Qwen3VLProcessor(data_cfg, tokenizer, model_cfg)
-
-    def synthetic_sample(self, model_cfg: Qwen3VLConfig, media_tokens: dict[str, int], text_tokens: int,
-                         index: int = 0) -> Any:
-        """One image of ``media_tokens["vision"]`` patches and ``text_tokens`` text tokens (Qwen2.5-VL's shape
-        rules: the same merge and placeholder layout)."""
-        from dhp.models.qwen2_5_vl.synthetic import synthetic_sample
-
-        return synthetic_sample(model_cfg, media_tokens, text_tokens, index)
-
-    def demo_data(self) -> Path:
-        """The digits demo set (its tokenizer has the Qwen vision tokens Qwen3-VL uses)."""
-        from dhp.data.demo import ensure_demo_dataset
-
-        return ensure_demo_dataset()
 
     def full_model(self, model_cfg: Qwen3VLConfig, state: dict[str, torch.Tensor]) -> Qwen3VL:
         model = Qwen3VL(model_cfg)

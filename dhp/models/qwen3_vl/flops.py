@@ -19,13 +19,13 @@ the DeepStack additions are no matmuls.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import contextmanager
 from typing import Any
 
-import torch
-
-from dhp.models.qwen2_5_vl.flops import text_flops
+from dhp.models.qwen2_5_vl import flops as qwen2_5_flops
+from dhp.models.qwen2_5_vl.flops import text_flops, text_sample_flops
 from dhp.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
+
+__all__ = ["count_text", "count_vision", "text_flops", "text_sample_flops", "vision_flops", "vision_sample_flops"]
 
 
 def vision_flops(grids: Sequence[Sequence[int]], cfg: VisionConfig) -> tuple[float, float]:
@@ -46,52 +46,14 @@ def vision_sample_flops(info: Any, model_cfg: Qwen3VLConfig) -> tuple[float, flo
     return vision_flops(info.image_grids, model_cfg.vision)
 
 
-def text_sample_flops(info: Any, model_cfg: Qwen3VLConfig) -> tuple[float, float]:
-    """The language model's FLOPs: one sample is one segment of the packed micro-batch."""
-    return text_flops([info.num_tokens], model_cfg.text)
-
-
-# ---- the same, counted -----------------------------------------------------------------------------
-
-
-@contextmanager
-def _shape_only_attention():
-    from dhp.models.qwen3_vl import text, vision
-    from dhp.observe.flops import shape_only_packed_attention
-
-    saved = text.packed_attention, vision.packed_attention
-    text.packed_attention = vision.packed_attention = shape_only_packed_attention
-    try:
-        yield
-    finally:
-        text.packed_attention, vision.packed_attention = saved
+# ---- the same, counted (Qwen2.5-VL's counters: the attention classes are its) ----------------------------
 
 
 def count_vision(model_cfg: Qwen3VLConfig, grids: Sequence[Sequence[int]]) -> tuple[float, float]:
     """(forward, backward) FLOPs of the family's vision module on meta, counted by ``FlopCounterMode``."""
-    from dhp.models.registry import get_family  # by name: the family imports this file
-    from dhp.observe.flops import count_forward_backward
-
-    with torch.device("meta"):
-        module = get_family("qwen3_vl").module("vision").build(model_cfg)
-    grid = torch.tensor([list(g) for g in grids], dtype=torch.long)
-    pixels = torch.empty(int(sum(t * h * w for t, h, w in grids)), model_cfg.vision.patch_dim, device="meta")
-    with _shape_only_attention():
-        return count_forward_backward(lambda: module(pixels, grid))
+    return qwen2_5_flops.count_vision(model_cfg, grids, family="qwen3_vl")
 
 
 def count_text(model_cfg: Qwen3VLConfig, segments: Sequence[int]) -> tuple[float, float]:
     """(forward, backward) FLOPs of the family's language module on meta over ``loss_sum`` and its backward."""
-    from dhp.models.registry import get_family
-    from dhp.observe.flops import count_forward_backward
-
-    with torch.device("meta"):
-        module = get_family("qwen3_vl").module("text").build(model_cfg)
-    module.embed = lambda ids, media=None: module.embed_tokens(ids)  # placeholder checks need values
-    tokens = int(sum(segments))
-    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
-    positions = torch.zeros(3, 1, tokens, dtype=torch.long, device="meta")
-    targets = torch.zeros(1, tokens, dtype=torch.long, device="meta")
-    cu = torch.tensor([0, *torch.tensor(list(segments)).cumsum(0).tolist()], dtype=torch.long)
-    with _shape_only_attention():
-        return count_forward_backward(lambda: module.loss_sum(ids, positions, targets, None, cu))
+    return qwen2_5_flops.count_text(model_cfg, segments, family="qwen3_vl")

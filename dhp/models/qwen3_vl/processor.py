@@ -35,6 +35,7 @@ from dhp.data.processor import TAGS, Media, Placeholder, Processor
 from dhp.data.video import VideoError, decode_frames, frame_list_size, is_frame_list, read_header
 from dhp.models.qwen2_5_vl import processor as qwen2_5_vl_processor
 from dhp.models.qwen2_5_vl.processor import MAX_ASPECT_RATIO, smart_resize, vision_placeholders
+from dhp.models.qwen2_5_vl.processor import check_geometry as qwen2_5_check_geometry
 
 PATCH_SIZE = 16
 MERGE_SIZE = 2
@@ -228,14 +229,8 @@ class Videos(Media):
 
 
 def check_geometry(model_cfg: Any) -> None:
-    v = getattr(model_cfg, "vision", None)
-    if v is None:
-        return
-    have = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size, v.in_channels)
-    want = (PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE_SIZE, 3)
-    if have != want:
-        raise ValueError(f"vision config (patch_size, temporal_patch_size, spatial_merge_size, in_channels) = {have}; "
-                         f"the Qwen3-VL processor cuts {want}: use a Qwen3-VL checkpoint's config")
+    """The model's vision config must be Qwen3-VL's patch geometry (patch 16)."""
+    qwen2_5_check_geometry(model_cfg, (PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE_SIZE, 3), "Qwen3-VL")
 
 
 class Qwen3VLProcessor(Processor):

@@ -18,17 +18,20 @@ loss) is Qwen2.5-VL's ``TextModel``, which this subclasses.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dhp.models.layers import RMSNorm, SwiGLU, apply_rotary
+from dhp.models.layers import RMSNorm
+from dhp.models.qwen2_5_vl.text import Attention as Qwen25Attention
+from dhp.models.qwen2_5_vl.text import DecoderLayer as Qwen25DecoderLayer
 from dhp.models.qwen2_5_vl.text import Media, MRotary
 from dhp.models.qwen2_5_vl.text import TextModel as Qwen25TextModel
 from dhp.models.qwen3_vl.config import TextConfig
 from dhp.models.qwen3_vl.vision import split_deepstack
-from dhp.ops.attention import Segments, has_values, host_metadata, packed_attention
+from dhp.ops.attention import Segments, has_values, host_metadata
 
 if TYPE_CHECKING:
     from dhp.data.batch import PackedMeta
@@ -48,91 +51,64 @@ class InterleavedMRotary(MRotary):
         return emb.cos(), emb.sin()
 
 
-def text_qkv_sizes(cfg: TextConfig) -> tuple[int, int, int]:
-    """Rows of q, k and v in a decoder layer's fused ``qkv_proj`` (GQA; ``head_dim`` explicit)."""
-    hd = cfg.head_dim
-    return cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd
+class Attention(Qwen25Attention):
+    """Qwen2.5-VL's GQA attention without the qkv bias, with RMSNorm over each q and k head (``q_norm`` /
+    ``k_norm``, weights of ``head_dim``) before the rotary."""
 
-
-class Attention(nn.Module):
-    """GQA attention without bias, one fused ``qkv_proj`` (rows ``[q; k; v]``), RMSNorm over each q and k head
-    (``q_norm``/``k_norm``, weights of ``head_dim``) before the rotary."""
+    qkv_bias = False
 
     def __init__(self, cfg: TextConfig) -> None:
-        super().__init__()
-        hd = cfg.head_dim
-        self.head_dim = hd
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(text_qkv_sizes(cfg)), bias=False)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
+        super().__init__(cfg)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cu_seqlens: Segments | torch.Tensor) -> torch.Tensor:
-        b, seq, _ = x.shape
-        qkv = self.qkv_proj(x)
-        heads = qkv.shape[-1] // self.head_dim
-        kv = heads // (self.num_heads // self.num_kv_heads + 2)
-        q, k, v = qkv.view(b * seq, heads, self.head_dim).split([heads - 2 * kv, kv, kv], dim=1)
-        cos, sin = (r.reshape(b * seq, -1) for r in rope)
-        q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
-        out = packed_attention(q, k, v, cu_seqlens, causal=True)  # [B*L, H, hd]
-        return self.o_proj(out.view(b, seq, -1))
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=False)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: Segments | torch.Tensor):
-        x = x + self.self_attn(self.input_layernorm(x), rope, cu_seqlens)
-        return x + self.mlp(self.post_attention_layernorm(x))
+class DecoderLayer(Qwen25DecoderLayer):
+    attention_class = Attention
 
 
 class TextModel(Qwen25TextModel):
-    """Decoder plus ``lm_head``, DeepStack features added after the first ``deepstack_levels`` layers."""
+    """Decoder plus ``lm_head``, DeepStack features added after the first ``deepstack_levels`` layers.
+
+    ``sequence_mesh``: the TP mesh under Megatron sequence parallelism (``parallelize.parallelize_text`` sets
+    it): between layers ``x`` is then this rank's sequence shard, where the DeepStack rows are added."""
+
+    sequence_mesh: Any = None
+    rotary_class = InterleavedMRotary
+    layer_class = DecoderLayer
 
     def __init__(self, cfg: TextConfig, image_token_id: int, deepstack_levels: int = 0) -> None:
-        nn.Module.__init__(self)
-        self.cfg = cfg
-        self.image_token_id = image_token_id
+        super().__init__(cfg, image_token_id)  # type: ignore[arg-type]  (Qwen3's TextConfig: the same fields)
         self.deepstack_levels = deepstack_levels
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = InterleavedMRotary(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
 
-    def split_media(self, media: Media) -> tuple[Media, list[dict[int, torch.Tensor]]]:
+    def split_media(self, media: Media) -> tuple[Media, list[dict[int, Any]]]:
         """Packed ``media`` -> (the main embeddings, as ``embed`` takes them; per DeepStack level
-        ``{placeholder id: feature [n, D]}``)."""
+        ``{placeholder id: feature [n, D]}``).
+
+        A sequence slice's value (Megatron SP: ``(embeddings [m, (1 + K) D] or None, flat positions [m])``) is
+        split the same way, each part keeping the positions: ``(main [m, D], positions)`` for ``embed``,
+        ``(feature [m, D], positions)`` per level for ``add_deepstack``."""
         if media is None:
             return None, []
         if isinstance(media, torch.Tensor):
             media = {self.image_token_id: media}
         main: dict = {}
-        levels: list[dict[int, torch.Tensor]] = [{} for _ in range(self.deepstack_levels)]
-        for token_id, embeds in media.items():
-            if isinstance(embeds, tuple):
-                raise ValueError(f"placeholder id {token_id}: a sequence slice's embeddings (Megatron sequence "
-                                 "parallelism) do not carry DeepStack features; run the Qwen3-VL text module "
-                                 "without text.parallel.tp")
+        levels: list[dict[int, Any]] = [{} for _ in range(self.deepstack_levels)]
+        for token_id, value in media.items():
+            embeds, positions = value if isinstance(value, tuple) else (value, None)
             if embeds is None:
-                main[token_id] = None
+                main[token_id] = None if positions is None else (None, positions)
                 continue
             if embeds.shape[-1] != (1 + self.deepstack_levels) * self.cfg.hidden_size:
                 raise ValueError(f"placeholder id {token_id}: embeddings of width {embeds.shape[-1]}, expected "
                                  f"(1 + {self.deepstack_levels} DeepStack levels) x {self.cfg.hidden_size}")
-            main[token_id], features = split_deepstack(embeds, self.cfg.hidden_size)
+            first, features = split_deepstack(embeds, self.cfg.hidden_size)
+            main[token_id] = first if positions is None else (first, positions)
             for level, feature in zip(levels, features, strict=True):
-                level[token_id] = feature
+                level[token_id] = feature if positions is None else (feature, positions)
         return main, levels
 
     def hidden_states(
@@ -144,22 +120,26 @@ class TextModel(Qwen25TextModel):
         meta: PackedMeta | None = None,
     ) -> torch.Tensor:
         """The final norm's output [B, L, D]; ``media`` values packed as the vision encoder emits them."""
-        b, seq = input_ids.shape
-        if meta is not None:
-            bounds = meta.cu_seqlens
-        else:
-            bounds = cu_seqlens if cu_seqlens is not None else range(0, (b + 1) * seq, seq)
-        segments = Segments.of(bounds, self.attention_kernel)
+        segments = self.segments(input_ids, cu_seqlens, meta)
         main, levels = self.split_media(media)
         placeholders = None if meta is None else meta.placeholders
         x = self.embed(input_ids, main) if meta is None else self.embed(input_ids, main, placeholders)
-        rows = {tid: self._rows(input_ids, tid, placeholders) for tid in (levels[0] if levels else {})}
+        rows = {tid: self._rows(input_ids, tid, placeholders)
+                for tid, feature in (levels[0].items() if levels else ()) if not isinstance(feature, tuple)}
         rope = self.rotary(position_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, segments)
             if i < len(levels):
-                x = add_at_rows(x, levels[i], rows)
+                x = self.add_deepstack(x, levels[i], rows)
         return self.norm(x)
+
+    def add_deepstack(self, x: torch.Tensor, features: dict[int, Any], rows: dict[int, torch.Tensor]) -> torch.Tensor:
+        """``x`` after a decoder layer with one DeepStack level added at its placeholder positions: on the whole
+        sequence, or under Megatron SP (``sequence_mesh`` set by ``parallelize_text``) on this rank's shard of
+        it, each rank adding only the rows in its slice (``add_to_sequence_shard``)."""
+        if self.sequence_mesh is None:
+            return add_at_rows(x, features, rows)
+        return add_to_sequence_shard(x, features, rows, self.sequence_mesh)
 
     @staticmethod
     def _rows(input_ids: torch.Tensor, token_id: int, placeholders: dict[int, torch.Tensor] | None) -> torch.Tensor:
@@ -182,4 +162,30 @@ def add_at_rows(x: torch.Tensor, features: dict[int, torch.Tensor], rows: dict[i
                              "features for them")
         if index.numel():
             flat = flat.index_add(0, index.to(x.device), feature.to(x.dtype))
+    return flat.view(x.shape)
+
+
+def add_to_sequence_shard(x: torch.Tensor, features: dict[int, Any], rows: dict[int, torch.Tensor],
+                          mesh: DeviceMesh) -> torch.Tensor:
+    """``x`` [1, S, D], this rank's shard ``[start, start + S)`` of the padded sequence (``start = rank * S``),
+    with the DeepStack rows of the shard added: a value of ``features`` is ``(feature [m, D] or None, flat
+    positions [m], host)`` of this rank's slice, or a whole feature ``[n, D]`` at ``rows[id]``."""
+    seq = x.shape[1]
+    start = mesh.get_local_rank() * seq
+    whole = {t: f for t, f in features.items() if not isinstance(f, tuple)}
+    if whole:  # every rank holds every row: place them at full length, keep the shard (backward all-gathers)
+        full = add_at_rows(x.new_zeros(1, seq * mesh.size(), x.shape[-1]), whole, rows)
+        x = x + DTensor.from_local(full, mesh, [Replicate()], run_check=False).redistribute(
+            placements=[Shard(1)]).to_local()
+    flat = x.reshape(-1, x.shape[-1])
+    for token_id, value in features.items():
+        if not isinstance(value, tuple) or value[0] is None:
+            continue
+        feature, positions = value
+        local = positions - start
+        if local.numel() != feature.shape[0] or (local.numel() and (local.min() < 0 or local.max() >= seq)):
+            raise ValueError(f"DeepStack rows of placeholder id {token_id}: {feature.shape[0]} features at "
+                             f"{local.numel()} positions, which must fall in this rank's slice [{start}, "
+                             f"{start + seq})")
+        flat = flat.index_add(0, local.to(x.device), feature.to(x.dtype))
     return flat.view(x.shape)

@@ -12,6 +12,8 @@ image order and the only segments are frames. ``forward`` returns the main embed
 side by side in one tensor ``[N/4, (1 + K) * D]`` (``pack``): one tensor per sample, so a router that moves one
 embedding tensor per sample moves the DeepStack features and brings their gradients back with no change;
 ``split_deepstack`` takes it apart on the language side.
+
+The patch embedding (with a bias here), the 2D rotary and the attention are Qwen2.5-VL's classes, reused.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dhp.models.layers import apply_rotary
+from dhp.models.qwen2_5_vl.vision import PatchEmbed as Qwen25PatchEmbed
+from dhp.models.qwen2_5_vl.vision import VisionAttention, VisionRotary, reset_rotary_buffers
 from dhp.models.qwen3_vl.config import VisionConfig
-from dhp.ops.attention import Segments, host_metadata, packed_attention
+from dhp.ops.attention import Segments, host_metadata
 from dhp.parallel.ulysses import UlyssesSegments
 
 
@@ -76,60 +79,10 @@ def vision_layout(grid_thw: torch.Tensor, cfg: VisionConfig) -> VisionLayout:
     return VisionLayout(F.pad(frames.cumsum(0), (1, 0)), pos, index, weight)
 
 
-class PatchEmbed(nn.Module):
-    """Conv3d over (T=2, P, P) patches with stride = kernel (and a bias), i.e. one linear map of each patch."""
+class PatchEmbed(Qwen25PatchEmbed):
+    """Qwen2.5-VL's patch embedding (one linear map of each (T=2, P, P) patch) with a bias."""
 
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=True)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [N, C*T*P*P] -> [N, C_v]
-        w = self.proj.weight
-        return F.linear(pixel_values.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
-
-
-class VisionRotary(nn.Module):
-    """2D rotary: half of each head's rotary frequencies follow the row, half the column."""
-
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.quarter, self.theta = cfg.head_dim // 2, cfg.rope_theta
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-
-    def _inv_freq(self) -> torch.Tensor:
-        return 1.0 / (self.theta ** (torch.arange(0, self.quarter, 2, dtype=torch.float) / self.quarter))
-
-    def reset_buffers(self) -> None:
-        """Recompute ``inv_freq`` (after ``to_empty``): on the CPU, as at construction, then copied in."""
-        with torch.device("cpu"):
-            self.inv_freq.copy_(self._inv_freq())
-
-    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, 2] -> 2 x [N, head_dim]
-        freqs = (pos[..., None].float() * self.inv_freq.float()).flatten(1)  # [N, head_dim/2]: h | w
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
-
-
-class VisionAttention(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.head_dim = cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
-
-    def forward(self, x: torch.Tensor, segments: Any, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        seq = x.shape[0]
-        qkv = self.qkv(x)
-        heads = qkv.shape[-1] // (3 * self.head_dim)  # explicit, so an empty slice (S = 0) works too
-        q, k, v = qkv.view(seq, 3, heads, self.head_dim).unbind(1)  # 3 x [S, H, hd]
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = self.attend(q, k, v, segments)  # [S, H, hd]
-        return self.proj(out.reshape(seq, heads * self.head_dim))
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Any) -> torch.Tensor:
-        """Non-causal attention within frames; the sequence-parallel plan replaces this method (Ulysses)."""
-        return packed_attention(q, k, v, segments, causal=False)
+    bias = True
 
 
 class VisionMLP(nn.Module):
@@ -239,9 +192,5 @@ def split_deepstack(embeds: torch.Tensor, width: int) -> tuple[torch.Tensor, lis
     return main, deepstack
 
 
-def reset_rotary_buffers(module: nn.Module) -> None:
-    """Recompute every rotary table in ``module`` (non-persistent buffers that ``to_empty`` leaves empty)."""
-    for m in module.modules():
-        reset = getattr(m, "reset_buffers", None)
-        if callable(reset) and hasattr(m, "inv_freq"):
-            reset()
+__all__ = ["PatchEmbed", "PatchMerger", "VisionAttention", "VisionBlock", "VisionLayout", "VisionRotary",
+           "VisionTransformer", "pack", "reset_rotary_buffers", "split_deepstack", "vision_layout"]

@@ -15,45 +15,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from dhp.models.adapter import Fused, RuleAdapter
+from dhp.models.qwen2_5_vl.weights import QwenVLWeights, build_from_hf, load_into
 from dhp.models.qwen3_vl.config import Qwen3VLConfig
 from dhp.models.qwen3_vl.model import Qwen3VL
-from dhp.models.qwen3_vl.text import InterleavedMRotary, text_qkv_sizes
-from dhp.models.qwen3_vl.vision import VisionRotary
 
-TEXT_GATE_UP = Fused(r"language\.layers\.\d+\.mlp\.", "gate_up_proj", ("gate_proj", "up_proj"))
-TEXT_QKV = Fused(r"language\.layers\.\d+\.self_attn\.", "qkv_proj", ("q_proj", "k_proj", "v_proj"),
-                 lambda model_cfg: text_qkv_sizes(model_cfg.text))
+__all__ = ["WEIGHTS", "Qwen3VLWeights", "load_hf_checkpoint", "load_into", "read_hf_config", "save_hf_checkpoint"]
 
 
-class Qwen3VLWeights(RuleAdapter):
-    """Qwen3-VL's checkpoints (``Qwen3VLForConditionalGeneration``'s names)."""
+
+class Qwen3VLWeights(QwenVLWeights):
+    """Qwen3-VL's checkpoints (``Qwen3VLForConditionalGeneration``'s names): Qwen2.5-VL's adapter (the same
+    load rules, fused q/k/v and gate/up, tied embeddings, config.json), saved under ``model.visual.*`` and
+    ``model.language_model.*``."""
 
     family = "qwen3_vl"
-    from_hf_rules = (  # (pattern on a checkpoint key, replacement giving our key); first match wins
-        (r"^model\.visual\.", "visual."),
-        (r"^model\.language_model\.", "language."),
-        (r"^visual\.", "visual."),
-        (r"^model\.", "language."),
-        (r"^lm_head\.", "language.lm_head."),
-    )
     to_hf_rules = (
         (r"^visual\.", "model.visual."),
         (r"^language\.lm_head\.", "lm_head."),
         (r"^language\.", "model.language_model."),
     )
-    fused = (TEXT_QKV, TEXT_GATE_UP)
-
-    def hf_config(self, model_cfg: Any, dtype: torch.dtype) -> dict:
-        return model_cfg.to_hf_dict() | {"dtype": str(dtype).removeprefix("torch.")}
-
-    def tied(self, model_cfg: Any) -> dict[str, str]:
-        return {"language.lm_head.weight": "language.embed_tokens.weight"} if model_cfg.text.tie_word_embeddings \
-            else {}
 
 
 WEIGHTS = Qwen3VLWeights()
@@ -69,27 +52,7 @@ def read_hf_config(path: str | Path) -> Qwen3VLConfig:
 def load_hf_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Qwen3VL:
     """A model from a Hugging Face directory (config.json + *.safetensors, sharded or not), in the checkpoint's
     dtype. Missing or unknown keys are an error that lists them."""
-    cfg = read_hf_config(path)
-    with torch.device("meta"):
-        model = Qwen3VL(cfg)
-    load_into(model, WEIGHTS.load_hf(path), source=str(path))
-    model.visual.rotary = VisionRotary(cfg.vision)  # non-persistent: not in checkpoints, built on the CPU
-    model.language.rotary = InterleavedMRotary(cfg.text)
-    return model.to(device)
-
-
-def load_into(model: Qwen3VL, state: dict[str, torch.Tensor], source: str) -> None:
-    expected = set(model.state_dict().keys())
-    if model.cfg.text.tie_word_embeddings:
-        expected.discard("language.lm_head.weight")
-        state.pop("language.lm_head.weight", None)
-    missing = sorted(expected - set(state))
-    unknown = sorted(set(state) - expected)
-    if missing or unknown:
-        raise KeyError(f"{source}: missing keys {missing}; unknown keys {unknown}")
-    model.load_state_dict(state, strict=False, assign=True)
-    if model.cfg.text.tie_word_embeddings:
-        model.language.lm_head.weight = model.language.embed_tokens.weight
+    return build_from_hf(Qwen3VL, read_hf_config(path), path, WEIGHTS, device)
 
 
 def save_hf_checkpoint(model: Qwen3VL, path: str | Path, max_shard_bytes: int = 5 * 2**30,

@@ -1,0 +1,80 @@
+"""The planner's step time against measured runs on this machine: calibrate, predict, measure (``docs/plan.md``).
+
+1. ``dhp plan calibrate`` on CPU (``--quick`` for the small grid) writes a device profile;
+2. ``dhp bench --profile`` on the demo config: every layout's ``predicted_step_s`` (the planner's fake runs of
+   the layout on the demo data's mean sample, priced on the profile), then each layout trained for real by Ray;
+3. a table of predicted / measured step time per layout, and whether the ranking agrees.
+
+Layouts (4 workers): bench's three (dhp: vision SP 2 + text TP 2, disaggregated; uniform_tp: TP 2 + TP 2; fsdp:
+ZeRO-3 over 2 + 2), and two of this benchmark's: ``colloc``, vision SP 2 + text TP 2 on the same 2 workers
+(collocated), and ``tp_text_dp``, vision DP 2 (ZeRO-1) + text TP 2, disaggregated.
+
+    .venv/bin/python benchmarks/plan_check.py [--quick] [--steps 3] [--out /tmp/plan_check] [--measured bench.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+EXTRA = {
+    "colloc": "runtime.placement=collocated;vision.parallel.sp=2;vision.parallel.dp=1;text.parallel.tp=2;"
+              "text.parallel.dp=1",
+    "tp_text_dp": "runtime.placement=disaggregated;runtime.encoders_ahead=1;vision.parallel.dp=2;"
+                  "vision.parallel.zero=1;text.parallel.tp=2;text.parallel.dp=1",
+}
+
+
+def main() -> None:
+    from dhp.bench import parse_layouts, run_bench
+    from dhp.cli import default_config_path
+    from dhp.plan.calibrate import calibrate
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the calibration's small grid")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--out", default="/tmp/plan_check")
+    ap.add_argument("--layouts", default="dhp,uniform_tp,fsdp," + ",".join(f"{k}={v}" for k, v in EXTRA.items()))
+    ap.add_argument("--measured", default=None, help="a bench.json of an earlier run of these layouts: predict only, "
+                    "against its measured step times")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prof = calibrate("cpu", quick=args.quick, log=print, threads=1)  # a CPU Ray worker runs one thread
+    prof.save(out / "cpu_profile.json")
+    overrides = [f"output.dir={out / 'bench'}", "runtime.cpus_per_worker=0.5"]
+    layouts = parse_layouts(args.layouts, 4)
+    if args.measured:
+        res = json.loads(Path(args.measured).read_text())
+        for name, pred in predict_layouts(layouts, overrides, out, args.steps, args.warmup, prof).items():
+            res["layouts"][name].update(pred)
+    else:
+        res = run_bench(default_config_path(), overrides, layouts, args.steps, args.warmup,
+                        profile=out / "cpu_profile.json")
+    rows = {n: (r["predicted_step_s"], r["step_time_s"]) for n, r in res["layouts"].items()}
+    print(f"\n{'layout':<12} {'predicted s':>12} {'measured s':>11} {'pred/meas':>10}")
+    for n, (p, m) in rows.items():
+        print(f"{n:<12} {p:>12.3f} {m:>11.3f} {p / m:>10.2f}")
+    by_pred = sorted(rows, key=lambda n: rows[n][0])
+    by_meas = sorted(rows, key=lambda n: rows[n][1])
+    print(f"ranking, fastest first: predicted {by_pred}; measured {by_meas}; "
+          f"{'agree' if by_pred == by_meas else 'differ'}")
+    (out / "plan_check.json").write_text(json.dumps({"profile": prof.label, "rows": rows, "predicted_order": by_pred,
+                                                     "measured_order": by_meas}, indent=1))
+
+
+def predict_layouts(layouts: dict, overrides: list[str], out: Path, steps: int, warmup: int, prof: Any) -> dict:
+    from dhp.bench import layout_config
+    from dhp.cli import default_config_path
+    from dhp.plan.predict import predict_config
+
+    cfgs = {n: layout_config(default_config_path(), overrides, lay, n, out, steps, warmup)
+            for n, lay in layouts.items()}
+    return {n: {"predicted_step_s": predict_config(c, prof)["predicted_step_s"]} for n, c in cfgs.items()}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""``dhp plan calibrate``: measure a device profile (``dhp.plan.profile``) on the machine it runs on.
+
+What it measures, each the median of a few timed repetitions after a warm-up:
+
+* GEMMs over a grid of (M, N, K) in float32 and bfloat16 (and any extra shapes given: the planner's own);
+* attention (``scaled_dot_product_attention``, forward and backward) at several key lengths and head widths,
+  as FLOP/s of torch's own FLOP formulas (the tally prices attention by the same formulas);
+* elementwise bandwidth (an in-place add and a copy of a large tensor: bytes read and written per second);
+* the host's cost of one op (a tiny add, dispatched many times) and of one host sync (``.item()``);
+* collectives (all-reduce, all-gather, reduce-scatter, all-to-all) and a point-to-point send at several
+  payloads, in a few local processes over gloo (CPU), fitted as ``alpha + bytes / beta`` per kind and group
+  size by least squares (``profile.fit_alpha_beta``).
+
+On CPU the host does the work itself (``async_launch`` false). On a CUDA device the compute rows run there;
+collectives need as many GPUs as ranks (NCCL), so with one GPU they are left to the device table's link
+bandwidth (the profile says so in ``machine``). ``quick``: a smaller grid and group sizes, for tests (seconds).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dhp.plan.ops import kernel_class
+from dhp.plan.profile import CALIBRATED, AttentionPoint, CollectiveFit, GemmPoint, Profile, fit_alpha_beta, roofline
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], device: str = "cpu", reps: int = 3, warmup: int = 1) -> float:
+    """The least seconds of ``fn`` over ``reps`` runs after ``warmup`` (the least: other processes on a shared
+    machine only ever add time)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return min(out)
+
+
+FLOAT32_BYTES = torch.finfo(torch.float32).bits // 8
+
+
+def _pow2(*exponents: int) -> tuple[int, ...]:
+    """Calibration sweeps run over powers of two (the table interpolates between them in log space)."""
+    return tuple(2**e for e in exponents)
+
+
+def gemm_grid(quick: bool) -> list[tuple[int, int, int]]:
+    ms = _pow2(6, 9, 11) if not quick else _pow2(6, 9)
+    nk = _pow2(7, 9, 11) if not quick else _pow2(7, 10)
+    return [(m, n, k) for m in ms for n in nk for k in nk]
+
+
+def measure_gemms(shapes: list[tuple[int, int, int]], dtypes: tuple[str, ...], device: str) -> list[GemmPoint]:
+    out = []
+    for dtype in dtypes:
+        dt = getattr(torch, dtype)
+        for m, n, k in shapes:
+            a, b = torch.randn(m, k, dtype=dt, device=device), torch.randn(k, n, dtype=dt, device=device)
+            s = timed(lambda a=a, b=b: torch.mm(a, b), device, reps=5)
+            out.append(GemmPoint(m, n, k, dtype, 2.0 * m * n * k / max(s, 1e-9)))
+    return out
+
+
+def measure_attention(quick: bool, dtype: str, device: str) -> list[AttentionPoint]:
+    """Forward + backward of SDPA on [1, heads, S, D]: FLOP/s by torch's FLOP counter for the same call."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dhp.plan.measure import _register_cpu_attention_flops
+
+    _register_cpu_attention_flops()  # the CPU kernel's FLOPs, by the formula the planner's fake run counts
+    out = []
+    dt = getattr(torch, dtype)
+    heads = 4
+    for s in ((64, 256, 1024) if not quick else (64, 512)):
+        for d in (_pow2(4, 6, 7) if not quick else _pow2(4, 6)):
+            q, k, v = (torch.randn(1, heads, s, d, dtype=dt, device=device, requires_grad=True) for _ in range(3))
+
+            def run(q=q, k=k, v=v) -> None:
+                torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+
+            with FlopCounterMode(display=False) as fc:
+                run()
+            flops = fc.get_total_flops()
+            sec = timed(run, device)
+            op = "_scaled_dot_product_flash_attention" + ("_for_cpu" if device == "cpu" else "")
+            out.append(AttentionPoint(kernel_class(op), s, d, dtype, flops / max(sec, 1e-9)))
+    return out
+
+
+def measure_bandwidth(device: str, quick: bool) -> float:
+    """Bytes per second of an in-place add and a copy (read + write) of a large float32 tensor."""
+    n = (4 if quick else 16) * 2**20
+    x, y = torch.ones(n, device=device), torch.empty(n, device=device)
+    add = timed(lambda: x.add_(1.0), device, reps=5)
+    copy = timed(lambda: y.copy_(x), device, reps=5)
+    return statistics.mean([2 * 4 * n / add, 2 * 4 * n / copy])
+
+
+def measure_host(device: str) -> tuple[float, float]:
+    """(seconds per dispatched op, seconds per host sync): a tiny add in a loop; ``.item()`` of a fresh result
+    (which on CUDA waits for the device)."""
+    a = torch.ones(1, device=device)
+    loops = 2000
+
+    def ops() -> None:
+        for _ in range(loops):
+            torch.add(a, 1.0)
+
+    per_op = timed(ops, device) / loops
+
+    def syncs() -> None:
+        for _ in range(200):
+            torch.add(a, 1.0).item()
+
+    per_sync = max(0.0, timed(syncs, device) / 200 - per_op)
+    return per_op, per_sync
+
+
+# ---- collectives, in local processes ------------------------------------------------------------------------
+
+
+def collective_sizes(quick: bool) -> list[int]:
+    return [2**14, 2**18, 2**22] if quick else [2**12, 2**15, 2**18, 2**21, 2**23]
+
+
+def _collective_worker(rank: int, world: int, port: int, sizes: list[int], out: str) -> None:
+    import torch.distributed as dist
+
+    from dhp.lifetime import exit_with_parent
+
+    exit_with_parent()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's *_into_tensor names, still the API here
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    points: dict[str, list[tuple[int, float]]] = {k: [] for k in (*KINDS, "send")}
+    for nbytes in sizes:
+        n = max(world, nbytes // FLOAT32_BYTES // world * world)
+        x = torch.ones(n)
+        calls = {"all_reduce": lambda x=x: dist.all_reduce(x),
+                 "all_gather": lambda x=x, n=n: dist.all_gather_into_tensor(torch.empty(n * world), x),
+                 "reduce_scatter": lambda x=x, n=n: dist.reduce_scatter_tensor(torch.empty(n // world), x),
+                 "all_to_all": lambda x=x: dist.all_to_all_single(torch.empty_like(x), x)}
+        for kind, fn in calls.items():
+            points[kind].append((4 * n, _timed_collective(fn)))
+        if world == 2:
+            def p2p(x: torch.Tensor = x) -> None:
+                (dist.send(x, 1) if rank == 0 else dist.recv(x, 0))
+            points["send"].append((4 * n, _timed_collective(p2p)))
+    if rank == 0:
+        Path(out).write_text(json.dumps(points))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _timed_collective(fn: Callable[[], Any], reps: int = 5) -> float:
+    """The least over ``reps`` of the slowest rank's time of one call (each started after a barrier)."""
+    import torch.distributed as dist
+
+    fn()
+    out = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out.append(float(t))
+    return min(out)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_collectives(ranks: tuple[int, ...], sizes: list[int]) -> tuple[list[CollectiveFit], CollectiveFit | None]:
+    """Fits per kind and group size over gloo, in ``ranks`` local processes each; the send fit from 2 ranks."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    fits, router = [], None
+    for world in ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "points.json")
+            port = _free_port()
+            procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, out)) for r in range(world)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout=300)
+            bad = [p.exitcode for p in procs if p.exitcode != 0]
+            if bad or not os.path.exists(out):
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                raise RuntimeError(f"dhp plan calibrate: the {world}-process gloo collective run failed (exit "
+                                   f"codes {[p.exitcode for p in procs]})")
+            points = json.loads(Path(out).read_text())
+        for kind, pts in points.items():
+            if not pts:
+                continue
+            fit = CollectiveFit(kind, world, *noisy_fit([(float(b), float(t)) for b, t in pts]))
+            if kind == "send":
+                router = fit
+            else:
+                fits.append(fit)
+    return fits, router
+
+
+def noisy_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """``fit_alpha_beta``, or where noise hides the growth with the bytes (a loaded machine), the least time as
+    alpha and the largest payload's rate as beta."""
+    try:
+        return fit_alpha_beta(points)
+    except ValueError:
+        alpha = min(t for _, t in points)
+        b, t = max(points)
+        return alpha, b / max(t, 1e-9)
+
+
+def machine(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return (f"{platform.machine()} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}")
+
+
+def calibrate(device: str | None = None, quick: bool = False, extra_gemms: list[tuple[int, int, int]] = (),
+              log: Callable[[str], None] = lambda s: None, threads: int | None = None) -> Profile:
+    """A measured profile of this machine's ``device`` (default: cuda when there is one, else cpu); ``threads``:
+    torch's CPU threads while measuring (a CPU rank's: ``dhp train``'s Ray workers run one thread each)."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _calibrate(device, quick, extra_gemms, log)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int, int]],
+               log: Callable[[str], None]) -> Profile:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("dhp plan calibrate --on cuda: this machine has no CUDA device; use --on cpu")
+    t0 = time.perf_counter()
+
+    def say(what: str) -> None:
+        log(f"dhp: plan calibrate: {what} ({time.perf_counter() - t0:.0f} s)")
+
+    say(f"{device}: GEMMs")
+    gemm = measure_gemms(sorted({*gemm_grid(quick), *extra_gemms}), ("float32", "bfloat16"), device)
+    say("attention")
+    attention = [p for dt in ("float32", "bfloat16") for p in measure_attention(quick, dt, device)]
+    say("elementwise bandwidth, dispatch, syncs")
+    hbm = measure_bandwidth(device, quick)
+    per_op, per_sync = measure_host(device)
+    base = roofline_for(device)
+    fits: list[CollectiveFit] = []
+    router = None
+    note = ""
+    if device == "cpu":
+        say("collectives (gloo, local processes)")
+        fits, router = measure_collectives((2,) if quick else (2, 4), collective_sizes(quick))
+    else:
+        note = "; collectives: the device table's link (one GPU here)"
+    say("done")
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return Profile(name=name, source=CALIBRATED, device_type=device, machine=machine(device) + note,
+                   created=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                   peak_flops=max(p.flops_per_s for p in gemm), hbm_bytes_per_s=hbm,
+                   link_bytes_per_s=base.link_bytes_per_s if base else hbm, cpu_op_s=per_op, sync_s=per_sync,
+                   async_launch=device == "cuda", gemm=gemm, attention=attention, collectives=fits, router=router,
+                   cores=(os.cpu_count() or 1) if device == "cpu" else 0,
+                   threads=torch.get_num_threads() if device == "cpu" else 0)
+
+
+def roofline_for(device: str) -> Profile | None:
+    """The device table's roofline of this machine's CUDA device (its link bandwidth), None on CPU."""
+    if device != "cuda":
+        return None
+    from dhp.observe.devices import detect_device
+
+    dev = detect_device()
+    return roofline(dev) if dev else None

@@ -1,0 +1,216 @@
+"""A device profile: what one device does per second, measured (``dhp plan calibrate``) or from its roofline.
+
+The planner's step time prices every op a rank dispatches (``dhp.plan.ops``, ``dhp.plan.costs``); a profile
+says what each costs on one device:
+
+* ``gemm``: achieved FLOP/s of matmuls by (M, N, K, dtype), measured at a grid of shapes and interpolated in
+  log space (inverse-distance weights over the nearest measured shapes of the dtype);
+* ``attention``: achieved FLOP/s of attention by kernel family, key length and head width;
+* ``hbm_bytes_per_s``: what memory-bound ops (elementwise, norms, copies, the optimizer) stream;
+* ``cpu_op_s``, ``sync_s``: the host's cost of dispatching one op and of one host sync; ``async_launch`` says
+  whether the host runs ahead of the device (CUDA: a region between syncs costs max(host, device)) or does the
+  work itself (CPU: host + device);
+* ``collectives``: ``alpha + bytes / beta`` per collective kind and group size (least squares over several
+  sizes, ``fit_alpha_beta``), bytes being the payload a rank hands to the collective (``CommCounter``'s);
+  ``router``: the same for a point-to-point transfer between groups.
+
+Without a calibrated profile the GPU rows use ``roofline(device)``: matmuls and attention at the device
+table's peak times its stated efficiency, or its HBM bandwidth where that binds; collectives as ring
+algorithms at the table's link bandwidth with no latency; no host cost. Every output says which it used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dhp.observe.devices import Device
+
+ROOFLINE = "roofline"
+CALIBRATED = "calibrated"
+
+
+@dataclass(frozen=True)
+class GemmPoint:
+    m: int
+    n: int
+    k: int
+    dtype: str
+    flops_per_s: float
+
+
+@dataclass(frozen=True)
+class AttentionPoint:
+    kernel: str  # ``ops.kernel_class``: sdpa_flash, varlen_flash...
+    s: int  # key length
+    d: int  # head width
+    dtype: str
+    flops_per_s: float
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send
+    ranks: int
+    alpha_s: float
+    beta_bytes_per_s: float
+
+
+def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(alpha seconds, beta bytes/s) of ``seconds = alpha + bytes / beta``, least squares over ``(bytes,
+    seconds)`` points (at least two distinct sizes). A negative intercept (noise at small sizes) is clamped
+    to zero and the slope refitted through the origin; a slope that is not positive (time not growing with
+    the bytes: noise larger than the transfer) is an error naming the points."""
+    if len({b for b, _ in points}) < 2:
+        raise ValueError(f"fit_alpha_beta: need points at two or more sizes, got {points}")
+    n = len(points)
+    mx = sum(b for b, _ in points) / n
+    my = sum(t for _, t in points) / n
+    sxx = sum((b - mx) ** 2 for b, _ in points)
+    slope = sum((b - mx) * (t - my) for b, t in points) / sxx
+    alpha = my - slope * mx
+    if alpha < 0:
+        alpha = 0.0
+        slope = sum(b * t for b, t in points) / sum(b * b for b, _ in points)
+    if slope <= 0:
+        raise ValueError(f"fit_alpha_beta: time does not grow with bytes in {points}; measure larger sizes")
+    return alpha, 1.0 / slope
+
+
+def ring_factor(kind: str, ranks: int) -> float:
+    """Bytes a ring algorithm moves per payload byte per rank (all-reduce ``2(n-1)/n``, all-gather ``n-1``
+    (its payload is the rank's shard), reduce-scatter and all-to-all ``(n-1)/n``, point-to-point 1)."""
+    n = max(1, ranks)
+    if n == 1:
+        return 0.0
+    return {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1.0, "reduce_scatter": (n - 1) / n,
+            "all_to_all": (n - 1) / n}.get(kind, 1.0)
+
+
+@dataclass
+class Profile:
+    """One device's costs (see the module docstring); ``save``/``load`` as JSON."""
+
+    name: str
+    source: str = ROOFLINE  # ROOFLINE | CALIBRATED
+    device_type: str = "cuda"  # cuda | cpu
+    machine: str = ""
+    created: str = ""
+    peak_flops: float = 0.0  # the roofline's compute ceiling (peak x efficiency)
+    hbm_bytes_per_s: float = 0.0
+    link_bytes_per_s: float = 0.0  # the roofline's collectives and router
+    cpu_op_s: float = 0.0
+    sync_s: float = 0.0
+    async_launch: bool = True
+    gemm: list[GemmPoint] = field(default_factory=list)
+    attention: list[AttentionPoint] = field(default_factory=list)
+    collectives: list[CollectiveFit] = field(default_factory=list)
+    router: CollectiveFit | None = None
+    cores: int = 0  # a CPU profile: the host's cores, and the threads each measurement ran on
+    threads: int = 0
+
+    def shared(self, factor: float) -> Profile:
+        """This profile with its compute, memory and host rates divided by ``factor``: ranks sharing one CPU's
+        cores (``factor`` ranks' threads per core) each get that share of them."""
+        if factor <= 1:
+            return self
+        return replace(self, gemm=[replace(g, flops_per_s=g.flops_per_s / factor) for g in self.gemm],
+                       attention=[replace(a, flops_per_s=a.flops_per_s / factor) for a in self.attention],
+                       peak_flops=self.peak_flops / factor, hbm_bytes_per_s=self.hbm_bytes_per_s / factor,
+                       cpu_op_s=self.cpu_op_s * factor, sync_s=self.sync_s * factor)
+
+    @property
+    def label(self) -> str:
+        return f"{self.source} {self.name}" + (f" ({self.machine}, {self.created})" if self.machine else "")
+
+    # ---- JSON ----------------------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        d = dict(d)
+        d["gemm"] = [GemmPoint(**p) for p in d.get("gemm", [])]
+        d["attention"] = [AttentionPoint(**p) for p in d.get("attention", [])]
+        d["collectives"] = [CollectiveFit(**p) for p in d.get("collectives", [])]
+        d["router"] = CollectiveFit(**d["router"]) if d.get("router") else None
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"device profile: unknown fields {sorted(unknown)}; written by a newer dhp?")
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: not a dhp device profile ({e}); write one with `dhp plan calibrate "
+                             f"--out {path}`") from None
+
+    # ---- costs ---------------------------------------------------------------------------------------------------
+
+    def gemm_s(self, m: float, n: float, k: float, dtype: str) -> float:
+        """Seconds of one (M x K) @ (K x N) matmul."""
+        flops = 2.0 * m * n * k
+        pts = [p for p in self.gemm if p.dtype == dtype] or self.gemm
+        if not pts:
+            size = 2 if "16" in dtype else 4 if "32" in dtype else 8 if "64" in dtype else 1
+            return max(flops / self.peak_flops, size * (m * k + k * n + m * n) / self.hbm_bytes_per_s)
+        x = (math.log(max(m, 1)), math.log(max(n, 1)), math.log(max(k, 1)))
+        rate = _idw(x, [((math.log(p.m), math.log(p.n), math.log(p.k)), p.flops_per_s) for p in pts])
+        return flops / rate
+
+    def attention_s(self, kernel: str, s: float, d: float, dtype: str, flops: float) -> float:
+        """Seconds of attention work of ``flops`` FLOPs by ``kernel`` at key length ``s``, head width ``d``."""
+        pts = ([p for p in self.attention if p.kernel == kernel and p.dtype == dtype]
+               or [p for p in self.attention if p.kernel == kernel] or self.attention)
+        if not pts:
+            return flops / self.peak_flops
+        x = (math.log(max(s, 1)), math.log(max(d, 1)))
+        return flops / _idw(x, [((math.log(p.s), math.log(p.d)), p.flops_per_s) for p in pts])
+
+    def memory_s(self, nbytes: float) -> float:
+        return nbytes / self.hbm_bytes_per_s
+
+    def collective_s(self, kind: str, ranks: int, nbytes: float, calls: float) -> float:
+        """Seconds of ``calls`` collectives of ``kind`` over ``ranks`` moving ``nbytes`` of payload in all. A
+        group size not calibrated takes the nearest one's fit, scaled by the ring algorithm's factors (latency
+        by the steps ``n - 1``, bandwidth by ``ring_factor``)."""
+        if ranks <= 1 or (nbytes <= 0 and calls <= 0):
+            return 0.0
+        fits = [f for f in self.collectives if f.kind == kind] or [f for f in self.collectives
+                                                                  if f.kind == "all_reduce"]
+        if not fits:
+            return nbytes * ring_factor(kind, ranks) / self.link_bytes_per_s
+        f = min(fits, key=lambda f: (abs(math.log(f.ranks / ranks)), -f.ranks))
+        lat = (ranks - 1) / max(1, f.ranks - 1)
+        bw = ring_factor(kind, ranks) / max(ring_factor(f.kind, f.ranks), 1e-12)
+        return calls * f.alpha_s * lat + nbytes * bw / f.beta_bytes_per_s
+
+    def router_s(self, nbytes: float, calls: float = 1.0) -> float:
+        if self.router is None:
+            return nbytes / self.link_bytes_per_s
+        return calls * self.router.alpha_s + nbytes / self.router.beta_bytes_per_s
+
+
+def _idw(x: tuple[float, ...], pts: list[tuple[tuple[float, ...], float]], k: int = 4) -> float:
+    """Inverse-distance-weighted value at ``x`` from the ``k`` nearest points (an exact hit: its value)."""
+    near = sorted(((math.dist(x, p), v) for p, v in pts), key=lambda t: t[0])[:k]
+    if near[0][0] < 1e-9:
+        return near[0][1]
+    w = [1.0 / d**2 for d, _ in near]
+    return sum(wi * v for wi, (_, v) in zip(w, near, strict=True)) / sum(w)
+
+
+def roofline(dev: Device) -> Profile:
+    """The profile of a device from its table entry alone (``dhp.observe.devices``): see the module docstring."""
+    return Profile(name=dev.name, source=ROOFLINE, device_type="cuda", peak_flops=dev.peak_flops * dev.efficiency,
+                   hbm_bytes_per_s=dev.memory_bw_gbs * 1e9, link_bytes_per_s=dev.link_gbs * 1e9, async_launch=True)
