@@ -435,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
     pl.add_argument("--precision", choices=["fp32_master", "bf16", "bf16_plain"], default="fp32_master",
                     help="train.precision of every group: float32 master weights (default) or pure bf16")
+    pl.add_argument("--lora", default=None, help="LoRA adapters on every Linear of these modules, their bases "
+                    "frozen: text=16,vision=8 (module=rank; a bare rank: the language model's)")
     pl.add_argument("--strategies", default=None,
                     help="comma-separated subset of dhp-collocated,dhp-disaggregated,uniform-tp,zero3")
     pl.add_argument("--json", default=None, help="write the rows as JSON here")

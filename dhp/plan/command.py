@@ -148,6 +148,26 @@ def pricing_of(args: Any, family: Any) -> tuple[Device, Pricing, dict[str, Devic
     return dev, Pricing(default, tuple(own.items()), link, memory), devices
 
 
+def lora_of(spec: str | None, family: Any) -> dict[str, int]:
+    """``--lora text=16,vision=8`` -> {module: rank}; a bare ``16``: the language model's. Unknown modules and
+    ranks < 1 are usage errors naming the flag."""
+    from dhp.errors import UsageError
+
+    if not spec:
+        return {}
+    bare, pairs = _assignments(spec, "--lora")
+    given = {family.language.name: bare} if bare is not None else pairs
+    out = {}
+    for module, rank in given.items():
+        if module not in family.module_names:
+            raise UsageError(f"--lora {spec!r}: {module} is not a module of {family.name} "
+                             f"({', '.join(family.module_names)})")
+        if not rank.isdigit() or int(rank) < 1:
+            raise UsageError(f"--lora {spec!r}: the rank of {module} must be a whole number >= 1")
+        out[module] = int(rank)
+    return out
+
+
 def run_plan(args: Any) -> int:
     from dhp.errors import ModelError, UsageError
 
@@ -171,6 +191,7 @@ def run_plan(args: Any) -> int:
         if args.gpu_memory_gb:
             pricing = replace(pricing, memory_gb=())
     precision = getattr(args, "precision", "fp32_master")
+    lora = lora_of(getattr(args, "lora", None), family)
     keep = None
     if getattr(args, "published", False):
         points, strategies, precision, keep = published(args, family)
@@ -178,13 +199,15 @@ def run_plan(args: Any) -> int:
                    f"every layout by fake runs of the real code ({', '.join(strategies)}; "
                    f"{'; '.join(_sizes(p) for p in points)})"):
         rows = plan(model_cfg, args.gpus, dev, limit, points, args.text_tokens, args.micro_batch_size, strategies,
-                    precision=precision, family=family, pricing=pricing, keep=keep)
+                    precision=precision, family=family, pricing=pricing, keep=keep, lora=lora)
     fitting = [r for r in rows if r.fits]
     rec = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
     pools = ", ".join(f"{g} on {d.name}" for g, d in devices.items())
     print(f"{args.model} on {args.gpus} x {dev.name if not devices else 'GPUs (' + pools + ')'} ({limit:g} GB); "
           f"{args.text_tokens} text tokens + the media per sample, {args.micro_batch_size} sample(s) per "
-          f"micro-batch; precision {precision}\npriced by {pricing.label}"
+          f"micro-batch; precision {precision}"
+          + ("; LoRA " + ", ".join(f"{m} r={r} (base frozen)" for m, r in lora.items()) if lora else "")
+          + f"\npriced by {pricing.label}"
           + ("  [ROOFLINE: no calibrated profile; `dhp plan calibrate` measures one]"
              if any(p.source == "roofline" for p in (pricing.default, *dict(pricing.groups).values())) else ""))
     print(table(rows, limit))

@@ -63,6 +63,8 @@ class GroupJob:
     optimizer: str = "adamw"
     loss_chunk_tokens: int | None = None  # train.loss_chunk_tokens; None: the trainer's default
     static: bool = False  # build, gradients and optimizer state only: no forward (closed-form checks)
+    lora_rank: int = 0  # <module>.lora.r: adapters only, the base frozen in the compute dtype (0: trained whole)
+    lora_targets: str = "all-linear"  # <module>.lora.target_modules (a regex or all-linear; a list joined by ",")
 
     @property
     def ranks(self) -> int:
@@ -301,7 +303,7 @@ def _fake_world(job: GroupJob, spec_parallel: Any, fake: bool = True, joining: b
 
 
 def _config(job: GroupJob) -> Any:
-    from dhp.config import Config, ModuleConfig, ParallelConfig
+    from dhp.config import Config, LoRAConfig, ModuleConfig, ParallelConfig
 
     cfg = Config()
     cfg.train.dtype = job.dtype
@@ -311,9 +313,11 @@ def _config(job: GroupJob) -> Any:
         cfg.train.loss_chunk_tokens = job.loss_chunk_tokens
     sp = job.inner if job.inner_kind == "sp" else 1
     tp = job.inner if job.inner_kind == "tp" else 1
+    targets = job.lora_targets.split(",") if "," in job.lora_targets else job.lora_targets
     cfg.modules[job.module] = ModuleConfig(activation_checkpointing=job.activation_checkpointing,
                                            parallel=ParallelConfig(dp=job.dp, sp=sp, tp=tp, zero=job.zero,
-                                                                   sequence_parallel=job.sequence_parallel))
+                                                                   sequence_parallel=job.sequence_parallel),
+                                           lora=LoRAConfig(r=job.lora_rank, target_modules=targets))
     return cfg
 
 
@@ -331,12 +335,13 @@ def _engine_shell(spec: Any, model_cfg: Any, cfg: Any, par: Any) -> tuple[Any, A
     return eng, (eng.reduce_mesh() if eng.fsdp else None)
 
 
-def _engine_build(eng: Any, fsdp_mesh: Any, device_type: str) -> Any:
+def _engine_build(eng: Any, fsdp_mesh: Any, device_type: str, family: Any) -> Any:
     """The rest of ``ModuleEngine.__init__``, less the weights' values (fake tensors have none): the family's
     build (on fake CPU tensors, which hold no storage, where the engine builds on meta and calls ``to_empty``:
     a fake parameter cannot be swapped in), trainable flags, the family's ``parallelize`` with the engine's
     options (the FSDP2 bf16 policy when the device is CUDA, as the engine decides there), ``reset_buffers``,
-    the engine's parameter groups and optimizer (ZeRO-1 over the reduce group)."""
+    the engine's parameter groups and optimizer (ZeRO-1 over the reduce group). Under ``<module>.lora`` the
+    adapters are added before any layout and the frozen base held in the compute dtype, as the engine does."""
     from dhp.engine import lr_lambda, param_groups
     from dhp.models.spec import ParallelizeOptions
 
@@ -345,7 +350,9 @@ def _engine_build(eng: Any, fsdp_mesh: Any, device_type: str) -> Any:
         eng.module = spec.build(eng.model_cfg)
     eng._set_train_options()
     policy = eng._set_precision(device_type)  # train.dtype / train.precision as the engine resolves them there
+    eng.lora = eng._apply_lora(family)
     eng._set_trainable()
+    eng._hold_frozen_base()
     opts = ParallelizeOptions(activation_checkpointing=eng.mcfg.activation_checkpointing, fsdp_mesh=fsdp_mesh,
                               mp_policy=policy, sequence_parallel=eng.mcfg.parallel.sequence_parallel)
     spec.parallelize(eng.module, eng.par, opts)
@@ -467,7 +474,7 @@ def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True
     try:
         eng, fsdp_mesh = _engine_shell(spec, model_cfg, cfg, par)
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext():
-            eng = _engine_build(eng, fsdp_mesh, job.device)
+            eng = _engine_build(eng, fsdp_mesh, job.device, family)
             _warm_optimizer(eng)
             fsdp = is_fsdp(eng.module)
             tracker = _peak_only(FSDPMemTracker)(eng.module, eng.optimizer) if fsdp else _peak_only(MemTracker)()
@@ -790,7 +797,7 @@ def measure_collocated(jobs: dict[str, GroupJob], model_cfg: Any, family: Any = 
             par = _fake_world(jobs[k], cfg.module(k).parallel, fake, joining=i > 0)
             shells[k] = _engine_shell(family.module(k), model_cfg, cfg, par)
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext():
-            eng = {k: _engine_build(e, mesh, jobs[k].device) for k, (e, mesh) in shells.items()}
+            eng = {k: _engine_build(e, mesh, jobs[k].device, family) for k, (e, mesh) in shells.items()}
             for e in eng.values():
                 _warm_optimizer(e)
             tracker = _peak_only(MemTracker)()

@@ -73,6 +73,7 @@ class Row:
                     f"{name}.parallel.sequence_parallel={str(j.sequence_parallel).lower()}"]
         out += [f"{name}.activation_checkpointing={str(j.activation_checkpointing).lower()}"
                 for name, j in self.jobs.items()]
+        out += [f"{name}.lora.r={j.lora_rank}" for name, j in self.jobs.items() if j.lora_rank]
         precision = next(iter(self.jobs.values())).precision
         return out + [f"runtime.placement={self.placement}"] + (
             [f"train.precision={precision}"] if precision != "fp32_master" else [])
@@ -395,15 +396,23 @@ def best(rows: list[Row]) -> list[Row]:
 def plan(model_cfg: Any, gpus: int, dev: Device, limit_gb: float, media: list, text_tokens: int,
          mbs: int, strategies: tuple[str, ...] = STRATEGIES, workers: int | None = None,
          precision: str = "fp32_master", family: Any = None, pricing: Pricing | None = None,
-         keep: Callable[[Row], bool] | None = None) -> list[Row]:
+         keep: Callable[[Row], bool] | None = None, lora: dict[str, int] | None = None) -> list[Row]:
     """Every candidate row measured and priced; ``media``: the sample sizes, ``{encoder: tokens}`` each;
     ``precision`` (``train.precision``) is what every group's weights, gradients and optimizer state are held
-    in; ``keep``: the candidates to measure (default: all)."""
+    in; ``keep``: the candidates to measure (default: all); ``lora``: ``{module: rank}``, the modules that train
+    LoRA adapters on every Linear (``<module>.lora.r``), their bases frozen."""
     family = family_of(family)
     rows = candidate_rows(model_cfg, gpus, media, text_tokens, mbs, strategies, precision=precision, family=family)
-    rows = [r for r in rows if keep is None or keep(r)]
+    rows = [with_lora(r, lora or {}) for r in rows if keep is None or keep(r)]
     results = measure_all([j for r in rows for j in r.jobs.values()], model_cfg, workers, family)
     return best([evaluate(r, results, dev, gpus, limit_gb, text_tokens, family, pricing=pricing) for r in rows])
+
+
+def with_lora(row: Row, lora: dict[str, int]) -> Row:
+    """``row`` with LoRA of rank ``lora[module]`` on those of its modules (the others trained whole)."""
+    if not lora:
+        return row
+    return replace(row, jobs={m: replace(j, lora_rank=lora.get(m, 0)) for m, j in row.jobs.items()})
 
 
 # ---- a training config's layout, and the largest sample it fits ----------------------------------------------
@@ -425,7 +434,9 @@ def config_jobs(cfg: Any, family: Any, media: dict[str, int], text_tokens: int, 
                               sequence_parallel=p.sequence_parallel, media=media_of(media), text_tokens=text_tokens,
                               micro_batch_size=micro_batch_size, device=device, dtype=cfg.train.dtype,
                               optimizer=cfg.train.optimizer, precision=cfg.train.precision,
-                              loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+                              loss_chunk_tokens=cfg.train.loss_chunk_tokens, lora_rank=m.lora.r,
+                              lora_targets=m.lora.target_modules if isinstance(m.lora.target_modules, str)
+                              else ",".join(m.lora.target_modules))
     return jobs
 
 

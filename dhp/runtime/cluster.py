@@ -41,7 +41,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is None:
+    if address in (None, "local"):
         init_local_ray(num_cpus=num_cpus, log_to_driver=True)
     else:
         ray.init(address=address)  # resources belong to the cluster; num_cpus is not allowed when joining
@@ -56,6 +56,9 @@ def init_local_ray(num_cpus: int | None = None, **init_kwargs: Any) -> str:
     request, Ray still starts (bound as Ray chooses) and a warning says so.
     """
     init_kwargs.setdefault("include_dashboard", False)
+    # "local": a new instance even where another one runs on this machine (a `ray start`, a simulated cluster):
+    # without it ray.init joins the newest one it finds in /tmp/ray and refuses num_cpus
+    init_kwargs.setdefault("address", "local")
     from ray._private import ray_constants  # Ray 2.60 internal: see the module docstring
 
     had_flag = hasattr(ray_constants, "ENABLE_RAY_CLUSTER")

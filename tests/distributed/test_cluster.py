@@ -15,6 +15,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -193,3 +195,15 @@ def test_a_lost_node_is_survived(cluster, base, pooled, tmp_path):
         assert words in str(err.value), (words, str(err.value))
     assert _alive_dhp() == ([], 0)
 
+
+
+def test_a_local_ray_started_beside_a_running_cluster_is_its_own(cluster):
+    """`dhp train` with no ray_address starts its own local Ray even while another instance runs on the machine
+    (here the simulated cluster, which Ray records as the newest one): ray.init would otherwise join that one and
+    refuse the local Ray's num_cpus."""
+    code = ("import ray\nfrom dhp.runtime.cluster import start_ray\nstart_ray(num_cpus=1)\n"
+            "print(ray.cluster_resources().get('CPU'), len(ray.nodes()), ray.util.get_node_ip_address())\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1.0", "1", "127.0.0.1"]  # one node, the CPU asked for, on loopback
