@@ -335,7 +335,7 @@ def _engine_shell(spec: Any, model_cfg: Any, cfg: Any, par: Any) -> tuple[Any, A
     return eng, (eng.reduce_mesh() if eng.fsdp else None)
 
 
-def _engine_build(eng: Any, fsdp_mesh: Any, device_type: str, family: Any) -> Any:
+def _engine_build(eng: Any, fsdp_mesh: Any, device_type: str, family: Any = None) -> Any:
     """The rest of ``ModuleEngine.__init__``, less the weights' values (fake tensors have none): the family's
     build (on fake CPU tensors, which hold no storage, where the engine builds on meta and calls ``to_empty``:
     a fake parameter cannot be swapped in), trainable flags, the family's ``parallelize`` with the engine's
@@ -350,7 +350,7 @@ def _engine_build(eng: Any, fsdp_mesh: Any, device_type: str, family: Any) -> An
         eng.module = spec.build(eng.model_cfg)
     eng._set_train_options()
     policy = eng._set_precision(device_type)  # train.dtype / train.precision as the engine resolves them there
-    eng.lora = eng._apply_lora(family)
+    eng.lora = eng._apply_lora(family_of(family))  # {} without <module>.lora
     eng._set_trainable()
     eng._hold_frozen_base()
     opts = ParallelizeOptions(activation_checkpointing=eng.mcfg.activation_checkpointing, fsdp_mesh=fsdp_mesh,
