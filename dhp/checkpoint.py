@@ -348,10 +348,10 @@ Item = tuple  # (module dir, our key in the module ("model.<name>"), our whole-m
 def _lora_items(record: dict[str, Any], family: Any, model_cfg: Any,
                 items: list[Item]) -> tuple[list[Item], dict[str, tuple[Any, Item, Item]]]:
     """The checkpoint's tensors less its LoRA adapters, and per LoRA base (whole-model ``<linear>.weight``):
-    (scale, target, r) with its ``lora_A`` and ``lora_B`` items (``dhp.models.lora``; the run's ``<module>.lora``
+    (scale, target, r) with its ``lora_A`` and ``lora_B`` items (``dhp.parallel.lora``; the run's ``<module>.lora``
     says which parts are active)."""
     from dhp.config import config_from_dict
-    from dhp.models.lora import export_targets, is_adapter
+    from dhp.parallel.lora import export_targets, is_adapter
 
     adapters = {full: item for item in items if is_adapter(full := item[2])}
     if not adapters:
@@ -373,7 +373,7 @@ def _lora_items(record: dict[str, Any], family: Any, model_cfg: Any,
 def _merged(ckpt: AnyPath, shard: list[Item], tensors: list[torch.Tensor],
             lora: dict[str, tuple[Any, Item, Item]]) -> list[torch.Tensor]:
     """The shard's tensors with each LoRA base's adapters folded in (``W + scale * B_i @ A_i`` per part)."""
-    from dhp.models.lora import fold
+    from dhp.parallel.lora import fold
 
     bases = [k for k, item in enumerate(shard) if item[2] in lora]
     if not bases:
@@ -395,7 +395,7 @@ def export_adapter(ckpt: str | AnyPath, out: str | Path) -> Path:
 
     from dhp.config import config_from_dict
     from dhp.inputs import resolve_inputs
-    from dhp.models.lora import memory_names, part_keys, peft_config, peft_tensors
+    from dhp.parallel.lora import memory_names, part_keys, peft_config, peft_tensors
 
     ckpt, out = location(ckpt), Path(out)
     record = read_record(ckpt)
@@ -443,7 +443,7 @@ def _trained_whole(cfg: Any, family: Any, items: list[Item]) -> tuple[list[str],
     """What a LoRA run trained whole beside its adapters (PEFT's ``modules_to_save``): the module paths (a
     module without LoRA that trains; the projector of a LoRA module under ``merger.trainable``) and their
     tensors' items."""
-    from dhp.models.lora import is_adapter
+    from dhp.parallel.lora import is_adapter
 
     paths = []
     for spec in family.modules:

@@ -189,7 +189,7 @@ def materialize(definition: Module, module: nn.Module, model_cfg: Any, device: s
     model's weights, in any layout). The layout's non-canonical parameters (``definition.layout_transforms``) are
     made whole in the canonical order, transformed, then sliced."""
     from dhp.errors import CheckpointError
-    from dhp.models.lora import detached_adapters, init_adapters, is_adapter, load_adapters
+    from dhp.parallel.lora import detached_adapters, init_adapters, is_adapter, load_adapters
     from dhp.parallel.materialize import to_empty
 
     to_empty(module, device)  # tied parameters stay tied
@@ -285,7 +285,7 @@ class ModuleEngine:
     def _group_of(self, name: str) -> tuple[float, bool]:
         """(lr scale, trainable) of a parameter: the family's projector parameters follow the `merger` section;
         under ``<module>.lora`` the adapters train and the rest of the module is frozen."""
-        from dhp.models.lora import is_adapter
+        from dhp.parallel.lora import is_adapter
 
         if self.mcfg.lora.enabled and is_adapter(name):
             return self.mcfg.lr_scale, self.mcfg.trainable
@@ -299,7 +299,7 @@ class ModuleEngine:
         lora = self.mcfg.lora
         if not lora.enabled:
             return {}
-        from dhp.models.lora import apply_lora, lora_modules, parts_by_weights
+        from dhp.parallel.lora import apply_lora, lora_modules, parts_by_weights
 
         skip = self.definition.projector_prefixes if self.cfg.merger.trainable else ()
         parts_of = parts_by_weights(family.weights, self.definition.weight_prefix, self.module, self.model_cfg)

@@ -16,7 +16,7 @@ from dhp.models.registry import get_family, register_family, resolve_family
 from tests.toy_audio import TOY_FAMILY, write_audio_data
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ("dhp.models.spec", "dhp.models.registry", "dhp.models.layers", "dhp.models.lora")  # leaves, not families
+SHARED = ("dhp.models.spec", "dhp.models.registry", "dhp.models.layers")  # leaves, not families
 GENERIC = ["dhp/runtime", "dhp/parallel", "dhp/backends", "dhp/engine.py", "dhp/train.py", "dhp/inputs.py",
            "dhp/evaluate.py", "dhp/cli.py", "dhp/config.py", "dhp/data/sampler.py"]
 

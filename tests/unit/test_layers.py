@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ops", ("dhp.ops",)),
     ("parallel", ("dhp.parallel",)),
     ("model interface", ("dhp.models.spec", "dhp.models.registry", "dhp.models.layers", "dhp.models.adapter",
-                         "dhp.models.loss", "dhp.models.lora", "dhp.models")),
+                         "dhp.models.loss", "dhp.models")),
     ("config", ("dhp.config",)),
     ("data", ("dhp.data",)),
     ("families", tuple(f"dhp.models.{d.name}" for d in sorted((ROOT / "dhp" / "models").iterdir())

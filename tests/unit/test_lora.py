@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dhp.models.lora import (
+from dhp.models.qwen2_5_vl import build_model
+from dhp.models.qwen2_5_vl.weights import WEIGHTS
+from dhp.parallel.lora import (
     LoRALinear,
     apply_lora,
     is_adapter,
@@ -23,8 +25,6 @@ from dhp.models.lora import (
     peft_tensors,
     targeted,
 )
-from dhp.models.qwen2_5_vl import build_model
-from dhp.models.qwen2_5_vl.weights import WEIGHTS
 from tests.hf_reference import hf_model_like, tiny_cfg
 from tests.unit.test_model_parity import TWO_IMAGES, dhp_forward, hf_forward, make_inputs
 

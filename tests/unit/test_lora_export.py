@@ -20,9 +20,9 @@ from dhp.backends import make_backend
 from dhp.cli import main
 from dhp.config import load_config
 from dhp.inputs import prepare
-from dhp.models.lora import apply_lora, is_adapter, parts_by_weights
 from dhp.models.qwen2_5_vl import build_model, load_hf_checkpoint, save_hf_checkpoint
 from dhp.models.qwen2_5_vl.weights import WEIGHTS
+from dhp.parallel.lora import apply_lora, is_adapter, parts_by_weights
 from tests.unit.test_model_parity import TWO_IMAGES, dhp_forward, hf_forward, make_inputs
 
 LORA = ["text.lora.r=4", "text.lora.alpha=8", "vision.lora.r=2", "vision.lora.alpha=4",

@@ -12,8 +12,8 @@ import torch
 
 from dhp.cli import main
 from dhp.errors import UsageError
-from dhp.models.lora import apply_lora, is_adapter, parts_by_weights
 from dhp.models.registry import get_family
+from dhp.parallel.lora import apply_lora, is_adapter, parts_by_weights
 from dhp.plan.command import lora_of
 from dhp.plan.measure import GroupJob, measure
 

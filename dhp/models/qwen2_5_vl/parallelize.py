@@ -55,11 +55,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dhp.models.layers import compute_dtype
-from dhp.models.lora import lora_plan
 from dhp.models.qwen2_5_vl.config import TextConfig, VisionConfig
 from dhp.models.qwen2_5_vl.text import TextModel, text_qkv_sizes
 from dhp.models.qwen2_5_vl.vision import VisionTransformer
 from dhp.ops.attention import Segments
+from dhp.parallel.lora import lora_plan
 from dhp.parallel.tensor import check_tp, check_vision_tp, shard_range
 
 

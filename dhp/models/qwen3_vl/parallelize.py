@@ -40,11 +40,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from dhp.models.layers import RMSNorm, autocast_on, compute_dtype
-from dhp.models.lora import lora_plan
 from dhp.models.qwen2_5_vl.parallelize import FusedColwise
 from dhp.models.qwen2_5_vl.parallelize import parallelize_text as parallelize_qwen2_5_text
 from dhp.models.qwen3_vl.text import TextModel
 from dhp.models.qwen3_vl.vision import VisionTransformer
+from dhp.parallel.lora import lora_plan
 from dhp.parallel.tensor import check_vision_tp
 
 
