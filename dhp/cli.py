@@ -13,6 +13,7 @@ an exit code per class (``EXIT_CODES``); a failed Ray worker is one paragraph
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import re
@@ -454,7 +455,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The ``dhp`` command. Called as the program (``argv`` None), a run stopped by a signal leaves at once
     (``os._exit``, output flushed): the workers are gone by then, and nothing is left to finalize but Ray's and
-    torch's threads, whose teardown at interpreter exit is no part of a clean stop."""
+    torch's threads, whose teardown at interpreter exit is no part of a clean stop. ``kill -USR1 PID`` prints
+    every thread's Python stack on stderr: a run that seems stuck says where it waits."""
+    if argv is None and hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     code = _run(argv)
     if argv is None and code >= 128:  # 130: Ctrl-C, 143: SIGTERM
         ray = sys.modules.get("ray")

@@ -19,6 +19,33 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
+# Modules whose module-scoped fixtures are cheap (a local reference run of a few steps, a list of overrides) and
+# whose tests are each a Ray run of their own: their tests go to every pytest-xdist worker.
+SPREAD = frozenset({"test_ray_parity.py", "test_durable.py", "test_data_plane.py", "test_lora_parity.py",
+                    "test_omni_parity.py", "test_qwen3_vl_parity.py", "test_video_parity.py",
+                    "test_family_parity.py"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which turns the marks into group names
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` a module-scoped fixture is built once per pytest-xdist worker that runs one of
+    its tests: a module whose tests share an expensive one (real gloo ranks measured by the planner, trained
+    checkpoints, Hugging Face model pairs) built it up to four times. The tests that use a module-scoped fixture
+    of their own module share one worker (``xdist_group`` named after the module), unless the module is in
+    ``SPREAD``."""
+    for item in items:
+        module = getattr(item, "module", None)
+        info = getattr(item, "_fixtureinfo", None)
+        if module is None or info is None or item.get_closest_marker("xdist_group") is not None:
+            continue
+        if item.path.name in SPREAD:
+            continue
+        shared = any(d and d[-1].scope == "module" and getattr(d[-1].func, "__module__", None) == module.__name__
+                     for d in (info.name2fixturedefs.get(n) for n in item.fixturenames))
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(module.__name__))
+
+
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory):
     from dhp.data.demo import make_demo_dataset
