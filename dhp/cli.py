@@ -168,10 +168,14 @@ def cmd_data_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_data_check(args: argparse.Namespace) -> int:
-    """Validate the training data exactly as ``dhp train`` would (same config, same overrides), and report."""
+    """Validate the training data as ``dhp train`` would (same config, same overrides), and report. Every image
+    is read through now (``data.validate=full``) unless the command sets ``data.validate``: what a lazy run would
+    find before each step is found here at once."""
     from dhp.inputs import dataset_spec, open_dataset, resolve_inputs
 
     cfg = _config(args)
+    if not any(o.split("=", 1)[0].strip() == "data.validate" for o in [args.config or "", *args.overrides]):
+        cfg.data.validate = "full"
     inputs = resolve_inputs(cfg)
     try:
         ds = open_dataset(dataset_spec(inputs, inputs.train_path))
@@ -362,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--overwrite", action="store_true", help="write into OUT even if it is not empty")
     demo.set_defaults(fn=cmd_data_demo)
     chk = dsub.add_parser("check", help="validate a data set as `dhp train` would, and report", parents=[common],
-                          description=f"Validate the training data as `dhp train` would.\n\n{rule}",
+                          description=f"Validate the training data as `dhp train` would, every image read through "
+                          f"(data.validate=full unless given).\n\n{rule}",
                           epilog=_epilog(), formatter_class=fmt)
     chk.add_argument("config", nargs="?", help="YAML config file, or `demo` (the embedded dhp/configs/demo.yaml)")
     chk.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.path=train.jsonl")

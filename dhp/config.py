@@ -48,9 +48,11 @@ class DataConfig:
     # under $DHP_CACHE/index keyed by the file's fingerprint and the settings (index_cache=false: validate every start)
     index_workers: int = 0
     index_cache: bool = True
-    # full: every image read through (PIL's verify) when the index is built; headers: sizes from file headers only, a
-    # damaged file is then found when a worker decodes it (the run stops naming it). Paid once per file + settings.
-    validate: Literal["full", "headers"] = "full"
+    # lazy: the index from file headers (a start costs what headers costs), every image read through (PIL's verify) in
+    # the background before its step, a bad one raised or replaced by data.on_error (dhp.data.lazy, docs/data.md);
+    # full: every image read through when the index is built (paid once per file + settings); headers: sizes only, a
+    # damaged file is then found when a worker decodes it (the run stops naming it)
+    validate: Literal["lazy", "full", "headers"] = "lazy"
     mix_seed: int = 0  # which samples a weighted mix (data.path="a.jsonl:0.3,b.parquet:0.7") repeats or drops
     eval_samples: int = 200  # at most this many held-out samples are evaluated
     max_new_tokens: int = 8  # greedy decoding length in evaluation

@@ -31,8 +31,10 @@ from dhp import checkpoint
 from dhp.backends import make_backend
 from dhp.backends.base import process_memory_gb
 from dhp.config import Config, ConfigError, compute_dtype, dump_config
+from dhp.data.lazy import LazyPlanner, lazy_planner, read_in_full
+from dhp.data.sampler import StepPlan
 from dhp.data.tokenizer import Tokenizer
-from dhp.errors import CheckpointError, Interrupted
+from dhp.errors import CheckpointError, DataError, Interrupted
 from dhp.inputs import dataset_spec, indexed_fingerprint, open_dataset, prepare
 from dhp.observe.flops import Peak, mfu, run_peak, sample_flops
 from dhp.observe.trace import TraceWriter, traced_steps
@@ -206,6 +208,7 @@ class Run:
         prepared = prepare(cfg)  # inputs, validated data, the plan (each group balancing its own cost)
         self.inputs, self.dataset, self.dataset_spec, self.planner = (prepared.inputs, prepared.dataset, prepared.spec,
                                                               prepared.planner)
+        self.planner = lazy_planner(self.planner, self.dataset, cfg)  # data.validate=lazy: media read before each step
         self.family = self.inputs.family
         self.lengths = self.dataset.lengths()  # tokens per sample, for the per-step token count
         self._init_observability()
@@ -362,7 +365,7 @@ class Run:
             start = time.perf_counter()
             with stop:
                 while step < steps and stop.signum is None:
-                    plan = self.planner.plan(step)
+                    plan = self._plan(step)
                     try:
                         row = self._step(plan, step)
                     except WorkerError as e:
@@ -397,6 +400,8 @@ class Run:
         finally:
             stop.__exit__()
             self.backend.shutdown()
+            if isinstance(self.planner, LazyPlanner):
+                self.planner.close()
         try:
             return self.finish(rows, last_ckpt, time.perf_counter() - start, failures)
         finally:
@@ -411,6 +416,26 @@ class Run:
             self.files.sync()
         except Exception as e:  # noqa: BLE001 - any storage error: say it, keep the run's outcome
             print(f"dhp: could not upload the run's files to {self.out}: {type(e).__name__}: {e}", flush=True)
+
+    def _plan(self, step: int) -> StepPlan:
+        """Step ``step``'s plan. A sample found bad before it (``data.validate=lazy``, ``data.on_error=raise``)
+        stops the run after a checkpoint of the steps so far (``train.checkpoint_on_exit``), named in the error."""
+        try:
+            return self.planner.plan(step)
+        except DataError as e:
+            if not (isinstance(self.planner, LazyPlanner) and step > 0 and self.cfg.train.checkpoint_on_exit):
+                raise
+            found = checkpoint.latest(self.out)
+            ckpt = found[0] if found is not None and found[1]["step"] == step else \
+                self.save(step, self.planner.step_ids(step - 1)[0])
+            raise DataError(f"{e}\ncheckpoint {ckpt} holds the run up to step {step}: fix the file (or set "
+                            "data.on_error=skip) and run the same command to resume there", e.issues) from None
+
+    def skipped_samples(self) -> int:
+        """The samples skipped so far: those validation dropped, and those found bad before their step
+        (``data.validate=lazy``)."""
+        lazily = len(self.planner.skipped) if isinstance(self.planner, LazyPlanner) else 0
+        return len(self.dataset.skipped) + lazily
 
     # -- observability: model FLOPs per sample, the peak MFU is measured against, the timeline
     def _init_observability(self) -> None:
@@ -459,7 +484,7 @@ class Run:
             "samples_per_s": len(plan.sample_ids) / dt,
             "memory_gb": max(process_memory_gb(), stats.worker_memory_gb),
             **{f"memory_gb_{m}": v for m, v in stats.memory_gb_by_module.items()},
-            "skipped_samples": len(self.dataset.skipped),
+            "skipped_samples": self.skipped_samples(),
             **{f"time_{k}_s": v for k, v in stats.timings.items()},
             **{f"imbalance_{m}": v for m, v in stats.imbalance.items()},
         }
@@ -510,7 +535,7 @@ class Run:
             "peak_memory_gb": {m: max((r.get(f"memory_gb_{m}", 0.0) for r in rows), default=0.0)
                                for m in family.module_names},
             "layout": {"backend": cfg.runtime.backend, "placement": cfg.runtime.placement, **layouts_of(cfg)},
-            "skipped_samples": len(self.dataset.skipped), "failures_survived": failures,
+            "skipped_samples": self.skipped_samples(), "failures_survived": failures,
             "checkpoint_save_s": self.save_seconds, "output_dir": str(out),
         }
         if ckpt is not None:
@@ -530,7 +555,7 @@ class Run:
             from dhp.evaluate import evaluate
 
             model = family.full_model(inputs.model_cfg, _load_exported(family, final))  # the driver holds it for eval
-            eval_ds = open_dataset(dataset_spec(inputs, inputs.eval_path))
+            eval_ds = open_dataset(read_in_full(dataset_spec(inputs, inputs.eval_path)))  # (no step reads it)
             summary["eval"] = evaluate(model, eval_ds, Tokenizer(inputs.tokenizer_dir), cfg.data.eval_samples,
                                        cfg.data.max_new_tokens)
         if not cfg.output.save_final and final.exists() and "checkpoint" in summary:

@@ -168,7 +168,7 @@ class _Checker:
                               "or add it")
         try:
             media = self.processor.kind(kind)
-            probe = media.probe_header if self.cfg.validate == "headers" else media.probe
+            probe = media.probe if self.cfg.validate == "full" else media.probe_header  # (lazy: as headers)
             return probe(opened(source)), None
         except (OSError, ValueError) as e:
             return None, str(e) if str(files[0]) in str(e) else f"{kind} {_name(source)}: {e}"
@@ -384,6 +384,8 @@ def index_key(ds: _Checker, fp: str) -> tuple[str, dict[str, Any]]:
     """(the index's cache key, what it hashes): the file and its fingerprint, and every setting that changes what
     validation finds (the data keys, the image root, the processor's values, the tokenizer's file)."""
     settings = {k: v for k, v in vars(ds.cfg).items() if k not in SETTINGS_IGNORED}
+    if settings.get("validate") == "lazy":  # the same index as headers (lazy reads the rest in the run)
+        settings["validate"] = "headers"
     tok_file = Path(ds.tokenizer.path) / "tokenizer.json"
     manifest = {"file": str(ds.file.absolute()), "fingerprint": fp, "image_root": str(ds.image_root.absolute()),
                 "settings": index.stable(settings), "processor": index.stable(ds.processor),

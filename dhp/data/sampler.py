@@ -1,8 +1,11 @@
 """The batch plan: which samples each replica of each module group processes, per step.
 
 Deterministic from (seed, epoch, step) alone, so a resumed run sees exactly the
-batches it would have seen. The plan is keyed by module (``"text"``, ``"vision"``,
-``"audio"``, ...), and every module balances its own cost:
+batches it would have seen. (Under ``data.validate=lazy`` a step's bad samples are
+replaced before it is balanced, by substitutes drawn from the seed, the step and
+the data's content: ``dhp.data.lazy``; ``plan(step, ids)`` balances those ids.)
+The plan is keyed by module (``"text"``, ``"vision"``, ``"audio"``, ...), and
+every module balances its own cost:
 
 * The language model (``language``, ``"text"`` by default) cuts the global batch
   into ``n_micro`` rounds; in each round each of its replicas takes exactly
@@ -208,15 +211,30 @@ class BatchPlanner:
         self.n_micro = global_batch_size // per_round
         self.window = min(encoder_window, self.n_micro)
         self.steps_per_epoch = n // global_batch_size
+        self._orders: dict[int, torch.Tensor] = {}  # epoch -> its order, for the last epochs asked for
 
-    def _epoch_order(self, epoch: int) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.n_samples, generator=g).tolist()
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:  # (kept: consecutive steps share their epoch's order)
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}  # this epoch and the one before
+            self._orders[epoch] = torch.randperm(self.n_samples, generator=g)
+        return self._orders[epoch]
 
-    def plan(self, step: int) -> StepPlan:
+    def step_ids(self, step: int) -> tuple[int, list[int]]:
+        """(epoch, the sample ids of ``step`` in the epoch's order): what ``plan(step)`` balances."""
         epoch, j = divmod(step, self.steps_per_epoch)
-        order = self._epoch_order(epoch)
-        ids = order[j * self.global_batch_size:(j + 1) * self.global_batch_size]
+        return epoch, self._epoch_order(epoch)[j * self.global_batch_size:(j + 1) * self.global_batch_size].tolist()
+
+    def plan(self, step: int, ids: Sequence[int] | None = None) -> StepPlan:
+        """Step ``step``'s plan. ``ids``: the step's samples in place of ``step_ids(step)``'s, as many and none
+        twice (a lazily validated run's, with its bad samples replaced: ``dhp.data.lazy``)."""
+        epoch, own = self.step_ids(step)
+        if ids is None:
+            ids = own
+        elif len(ids) != len(own) or len(set(ids)) != len(ids):
+            raise ValueError(f"plan(step {step}): {len(ids)} ids given ({len(set(ids))} distinct) for a step of "
+                             f"{len(own)} samples")
+        ids = list(ids)
         lm, lm_cost, lm_dp = self.language, self.costs[self.language], self.dp[self.language]
         per_replica = _balanced_split(ids, lm_cost, lm_dp, self.global_batch_size // lm_dp)
         micro = [

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
+from PIL import Image, ImageFile
 
 from dhp.data.processor import Media, MediaError, Placeholder, Processor
 from dhp.data.video import VideoError, decode_frames, frame_list_size, is_frame_list, read_header
@@ -246,11 +246,15 @@ class Images(Media):
         return self._grid(source, verify=False)
 
     def _grid(self, source: Path, verify: bool) -> tuple[int, int, int]:
-        """The patch grid from the header; ``verify``: the whole file read through first (PIL's verify)."""
+        """The patch grid from the header; ``verify``: the whole file read through first: PIL's ``verify`` where
+        the format has one (PNG: every chunk's CRC), else decoded (JPEG, WebP...: their ``verify`` checks nothing,
+        and a truncated JPEG passed it)."""
         try:
             with Image.open(source) as img:
                 width, height = img.size
-                if verify:
+                if verify and type(img).verify is ImageFile.ImageFile.verify:
+                    img.load()
+                elif verify:
                     img.verify()
         except Exception as e:  # PIL raises many types for corrupt files
             raise MediaError(f"image {source} is unreadable or corrupt ({type(e).__name__}: {e}); replace the "

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dhp.data.loader import cat_to_device
 from dhp.models.qwen2_5_vl.family import Qwen2_5_VLFamily
 from dhp.models.qwen2_5_vl.family import Text as Qwen25Text
 from dhp.models.qwen2_5_vl.family import Vision as Qwen25Vision
@@ -101,8 +102,8 @@ class Vision(Qwen25Vision):
 
         Each sample's inputs in the family's order: its images, then its video clips."""
         patch_dim = module.cfg.patch_dim
-        pixels = torch.cat([torch.zeros(0, patch_dim)] + [p for s in samples for p in (
-            s.pixel_values, s.pixel_values_videos)]).to(device)
+        pixels = cat_to_device([torch.zeros(0, patch_dim)] + [p for s in samples for p in (  # pinned, non-blocking
+            s.pixel_values, s.pixel_values_videos)], device)
         with host_metadata():
             grid = torch.cat([torch.zeros(0, 3, dtype=torch.long)] + [g for s in samples for g in (
                 s.image_grid_thw, s.video_grid_thw)])
