@@ -346,7 +346,7 @@ def _free_port() -> int:
 
 
 def _search_rank(rank: int, world: int, port: int, out: str, job: GroupJob, model_cfg: Any, family: str,
-                 budget: int, start: int, stop: int, step: int, unit: int) -> None:
+                 budget: int, start: int, stop: int, step: int, unit: int, parent: int) -> None:
     """One rank of a group's search (a spawned process in a gloo group of the group's size): every probe is
     ``measure(fake=False)`` on real tensors; the group's peak is the largest rank's (all-reduced), so every
     rank takes the same next size."""
@@ -361,7 +361,7 @@ def _search_rank(rank: int, world: int, port: int, out: str, job: GroupJob, mode
     from dhp.models.registry import get_family
     from dhp.plan.measure import measure, media_of
 
-    exit_with_parent()  # a killed `dhp bench` leaves no rank behind
+    exit_with_parent(parent)  # a killed `dhp bench` leaves no rank behind (its pid: it may be gone already)
 
     torch.set_num_threads(1)  # the group's ranks share the machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -388,6 +388,7 @@ def _search_rank(rank: int, world: int, port: int, out: str, job: GroupJob, mode
 def search_group(job: GroupJob, model_cfg: Any, family: str, budget: int, start: int, stop: int,
                  step: int, unit: int) -> Growth:
     """``grow`` over one group, run by ``job.ranks`` fresh processes in a real gloo group."""
+    import os
     import tempfile
 
     import torch.multiprocessing as mp
@@ -395,7 +396,8 @@ def search_group(job: GroupJob, model_cfg: Any, family: str, budget: int, start:
     with tempfile.TemporaryDirectory(prefix="dhp-maxtok-") as d:
         out = str(Path(d) / "growth.json")
         mp.start_processes(_search_rank, args=(job.ranks, _free_port(), out, job, model_cfg, family, budget, start,
-                                               stop, step, unit), nprocs=job.ranks, join=True, start_method="spawn")
+                                               stop, step, unit, os.getpid()), nprocs=job.ranks, join=True,
+                           start_method="spawn")
         doc = json.loads(Path(out).read_text())
     return Growth(doc["largest"], doc["first_failed"], [tuple(p) for p in doc["probes"]])
 

@@ -22,7 +22,9 @@ POLL_S = 1.0
 
 
 def exit_with_parent(parent: int | None = None) -> None:
-    """End this process when ``parent`` (default: the current parent) is gone. Idempotent and cheap."""
+    """End this process when ``parent`` is gone. Idempotent and cheap. Give the starting process's pid: the
+    default, the current parent, is already init (or a subreaper) when the starter died while this process was
+    still starting up (a spawned interpreter takes seconds to reach its initializer under load)."""
     parent = os.getppid() if parent is None else parent
     if sys.platform.startswith("linux"):
         try:

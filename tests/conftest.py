@@ -26,8 +26,8 @@ SPREAD = frozenset({"test_ray_parity.py", "test_durable.py", "test_data_plane.py
                     "test_family_parity.py"})
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which turns the marks into group names
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True)  # the marks before every other hook; the group ids after them all
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
     """Under ``--dist loadgroup`` a module-scoped fixture is built once per pytest-xdist worker that runs one of
     its tests: a module whose tests share an expensive one (real gloo ranks measured by the planner, trained
     checkpoints, Hugging Face model pairs) built it up to four times. The tests that use a module-scoped fixture
@@ -44,6 +44,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                      for d in (info.name2fixturedefs.get(n) for n in item.fixturenames))
         if shared:
             item.add_marker(pytest.mark.xdist_group(module.__name__))
+    out = yield
+    if getattr(config.option, "loadgroup", False):  # (a pytest-xdist worker under --dist loadgroup)
+        _group_node_ids(items)
+    return out
+
+
+def _group_node_ids(items: list[pytest.Item]) -> None:
+    """``NAME@GROUP`` node ids, which ``--dist loadgroup`` schedules by. pytest-xdist 3.8 writes them to
+    ``item._nodeid``, which pytest 9 no longer reads (a node's id is ``item._id``): no test was grouped, and
+    every grouped module's fixture was built on every worker."""
+    try:
+        from _pytest.nodes import coerce_node_id  # pytest 9 (``_id``)
+    except ImportError:  # an older pytest: xdist's own renaming works
+        return
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if groups and "@" not in item.nodeid.rsplit("::", 1)[-1]:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 @pytest.fixture(scope="session")

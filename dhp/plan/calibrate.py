@@ -146,12 +146,12 @@ def collective_sizes(quick: bool) -> list[int]:
     return [2**14, 2**18, 2**22] if quick else [2**12, 2**15, 2**18, 2**21, 2**23]
 
 
-def _collective_worker(rank: int, world: int, port: int, sizes: list[int], out: str) -> None:
+def _collective_worker(rank: int, world: int, port: int, sizes: list[int], out: str, parent: int) -> None:
     import torch.distributed as dist
 
     from dhp.lifetime import exit_with_parent
 
-    exit_with_parent()
+    exit_with_parent(parent)
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's *_into_tensor names, still the API here
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -207,7 +207,8 @@ def measure_collectives(ranks: tuple[int, ...], sizes: list[int]) -> tuple[list[
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "points.json")
             port = _free_port()
-            procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, out)) for r in range(world)]
+            procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, out, os.getpid()))
+                     for r in range(world)]
             for p in procs:
                 p.start()
             for p in procs:

@@ -294,9 +294,10 @@ def measure_all(jobs: list[GroupJob], model_cfg: Any, workers: int | None = None
         order = sorted(uniq, key=lambda j: (j.module != family.language.name, -sum(v for _, v in j.media)))
         from dhp.lifetime import exit_with_parent
 
-        # each worker ends with this process: a killed `dhp plan` leaves no orphan measuring on
+        # each worker ends with this process: a killed `dhp plan` leaves no orphan measuring on (this pid, not the
+        # worker's parent when its initializer runs: a worker still starting when the plan was killed has init's)
         with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
-                                 initializer=exit_with_parent) as pool:
+                                 initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
             got = dict(zip(order, pool.map(_run, [(j, model_cfg, ref) for j in order]), strict=True))
     return {j: for_reduce_size(got[canonical(j, family)], _reduce_size(canonical(j, family)), _reduce_size(j))
             for j in want}

@@ -89,3 +89,31 @@ time.sleep(120)
         assert not _alive(grandchild)
     finally:
         child.kill()
+
+
+def test_a_child_armed_after_its_parent_died_ends_too(tmp_path):
+    """A pool worker still starting when its parent is killed arms itself with the parent's pid, given by the
+    parent: it then finds a stranger's pid as its parent and ends at once. (Armed with the default, the parent
+    it saw at that moment, init's, it stayed: the CI failure of `test_killed_plan_leaves_no_pool_worker`.)"""
+    marker = tmp_path / "grandchild.pid"
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import os, subprocess, sys, time
+g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3); from dhp.lifetime import exit_with_parent; "
+                      "exit_with_parent({{}}); time.sleep(120)".format(os.getpid())])
+open({str(marker)!r}, "w").write(str(g.pid))
+time.sleep(120)
+"""])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (marker.exists() and marker.read_text()):
+            time.sleep(0.1)
+        grandchild = int(marker.read_text())
+        child.kill()  # before the grandchild arms itself
+        child.wait()
+        assert _alive(grandchild)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(grandchild):
+            time.sleep(0.1)
+        assert not _alive(grandchild)
+    finally:
+        child.kill()
