@@ -32,7 +32,8 @@ lint: venv
 # detection): with three pytest workers the two cores of the development machine were about half busy, so it
 # runs four, each with one torch thread (tests/conftest.py: oversubscribed OpenMP threads spin). `make test TEST_WORKERS=0` runs it in one process. loadgroup: as load, but the tests marked
 # xdist_group(name) share one worker (test_cluster.py: one simulated multi-node Ray cluster;
-# test_bench_max_tokens.py: one expensive module fixture, built once).
+# test_bench_max_tokens.py: one expensive module fixture, built once; tests/conftest.py groups the tests sharing
+# a module fixture, and writes the group ids pytest 9 reads, where pytest-xdist 3.8 writes ones it ignores).
 TEST_WORKERS ?= 4
 
 test: venv lint
