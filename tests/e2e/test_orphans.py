@@ -64,6 +64,14 @@ def test_killed_plan_leaves_no_pool_worker(tmp_path):
             os.kill(p, signal.SIGKILL)
 
 
+def _pid_from(marker) -> int:
+    """The pid a child writes to ``marker`` once it has started the grandchild."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (marker.exists() and marker.read_text()):
+        time.sleep(0.1)
+    return int(marker.read_text())
+
+
 def test_exit_with_parent_ends_a_child_whose_parent_is_killed(tmp_path):
     """The mechanism alone: a grandchild armed with it dies with the child that started it."""
     marker = tmp_path / "grandchild.pid"
@@ -75,10 +83,7 @@ open({str(marker)!r}, "w").write(str(g.pid))
 time.sleep(120)
 """])
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (marker.exists() and marker.read_text()):
-            time.sleep(0.1)
-        grandchild = int(marker.read_text())
+        grandchild = _pid_from(marker)
         time.sleep(2)  # it armed itself (importing dhp takes a moment)
         assert _alive(grandchild)
         child.kill()
@@ -104,10 +109,7 @@ open({str(marker)!r}, "w").write(str(g.pid))
 time.sleep(120)
 """])
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (marker.exists() and marker.read_text()):
-            time.sleep(0.1)
-        grandchild = int(marker.read_text())
+        grandchild = _pid_from(marker)
         child.kill()  # before the grandchild arms itself
         child.wait()
         assert _alive(grandchild)
