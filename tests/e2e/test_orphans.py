@@ -53,15 +53,20 @@ def test_killed_plan_leaves_no_pool_worker(tmp_path):
         workers |= _children(proc.pid)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(_alive(p) for p in workers):
-            time.sleep(0.2)
-        assert [p for p in workers if _alive(p)] == []
+        assert _still_alive(workers, 20) == []
     finally:
         if proc.poll() is None:
             proc.kill()
         for p in _children(proc.pid):
             os.kill(p, signal.SIGKILL)
+
+
+def _still_alive(pids, seconds: float) -> list[int]:
+    """Those of ``pids`` still alive after waiting up to ``seconds`` for all of them to end."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
 
 
 def _pid_from(marker) -> int:
@@ -88,10 +93,7 @@ time.sleep(120)
         assert _alive(grandchild)
         child.kill()
         child.wait()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _alive(grandchild):
-            time.sleep(0.1)
-        assert not _alive(grandchild)
+        assert _still_alive([grandchild], 10) == []
     finally:
         child.kill()
 
@@ -113,9 +115,6 @@ time.sleep(120)
         child.kill()  # before the grandchild arms itself
         child.wait()
         assert _alive(grandchild)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _alive(grandchild):
-            time.sleep(0.1)
-        assert not _alive(grandchild)
+        assert _still_alive([grandchild], 30) == []
     finally:
         child.kill()
