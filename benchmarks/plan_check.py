@@ -7,7 +7,9 @@
 
 Layouts (4 workers): bench's three (dhp: vision SP 2 + text TP 2, disaggregated; uniform_tp: TP 2 + TP 2; fsdp:
 ZeRO-3 over 2 + 2), and two of this benchmark's: ``colloc``, vision SP 2 + text TP 2 on the same 2 workers
-(collocated), and ``tp_text_dp``, vision DP 2 (ZeRO-1) + text TP 2, disaggregated.
+(collocated), ``tp_text_dp``, vision DP 2 (ZeRO-1) + text TP 2, disaggregated, and ``ahead0``: dhp's layout with
+``runtime.encoders_ahead=0`` (bench's layouts run one round ahead). Per layout and group it also prints the busy
+share of the step, measured (the workers' own phase times) against the replay's (``dhp.plan.schedule``).
 
     .venv/bin/python benchmarks/plan_check.py [--quick] [--steps 3] [--out /tmp/plan_check] [--measured bench.json]
 """
@@ -24,6 +26,8 @@ EXTRA = {
               "text.parallel.dp=1",
     "tp_text_dp": "runtime.placement=disaggregated;runtime.encoders_ahead=1;vision.parallel.dp=2;"
                   "vision.parallel.zero=1;text.parallel.tp=2;text.parallel.dp=1",
+    "ahead0": "runtime.placement=disaggregated;runtime.encoders_ahead=0;vision.parallel.sp=2;vision.parallel.dp=1;"
+              "text.parallel.tp=2;text.parallel.dp=1",
 }
 
 
@@ -55,15 +59,19 @@ def main() -> None:
         res = run_bench(default_config_path(), overrides, layouts, args.steps, args.warmup,
                         profile=out / "cpu_profile.json")
     rows = {n: (r["predicted_step_s"], r["step_time_s"]) for n, r in res["layouts"].items()}
-    print(f"\n{'layout':<12} {'predicted s':>12} {'measured s':>11} {'pred/meas':>10}")
+    busy = {n: {g: (r["prediction"]["groups"][g]["busy_s"] / r["predicted_step_s"], r["groups"][g]["busy"])
+                for g in r["groups"]} for n, r in res["layouts"].items() if "prediction" in r}
+    print(f"\n{'layout':<12} {'predicted s':>12} {'measured s':>11} {'pred/meas':>10}   "
+          "busy share predicted / measured")
     for n, (p, m) in rows.items():
-        print(f"{n:<12} {p:>12.3f} {m:>11.3f} {p / m:>10.2f}")
+        shares = "  ".join(f"{g} {a:.0%} / {b:.0%}" for g, (a, b) in busy.get(n, {}).items())
+        print(f"{n:<12} {p:>12.3f} {m:>11.3f} {p / m:>10.2f}   {shares}")
     by_pred = sorted(rows, key=lambda n: rows[n][0])
     by_meas = sorted(rows, key=lambda n: rows[n][1])
     print(f"ranking, fastest first: predicted {by_pred}; measured {by_meas}; "
           f"{'agree' if by_pred == by_meas else 'differ'}")
-    (out / "plan_check.json").write_text(json.dumps({"profile": prof.label, "rows": rows, "predicted_order": by_pred,
-                                                     "measured_order": by_meas}, indent=1))
+    (out / "plan_check.json").write_text(json.dumps({"profile": prof.label, "rows": rows, "busy_share": busy,
+                                                     "predicted_order": by_pred, "measured_order": by_meas}, indent=1))
 
 
 def predict_layouts(layouts: dict, overrides: list[str], out: Path, steps: int, warmup: int, prof: Any) -> dict:
@@ -73,7 +81,11 @@ def predict_layouts(layouts: dict, overrides: list[str], out: Path, steps: int, 
 
     cfgs = {n: layout_config(default_config_path(), overrides, lay, n, out, steps, warmup)
             for n, lay in layouts.items()}
-    return {n: {"predicted_step_s": predict_config(c, prof)["predicted_step_s"]} for n, c in cfgs.items()}
+    out = {}
+    for n, c in cfgs.items():
+        p = predict_config(c, prof)
+        out[n] = {"predicted_step_s": p["predicted_step_s"], "prediction": p}
+    return out
 
 
 if __name__ == "__main__":

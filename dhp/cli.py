@@ -430,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--quick", action="store_true", help="calibrate: a small grid, for tests (seconds)")
     pl.add_argument("--threads", type=int, default=None, help="calibrate on cpu: torch threads while measuring "
                     "(default torch's; a CPU `dhp train` worker runs 1)")
+    pl.add_argument("--no-runtime", action="store_true", help="calibrate: leave out Ray's actor round trip and "
+                    "object store (measured in a local Ray it starts)")
     pl.add_argument("--published", action="store_true", help="the published experiment: 8 x H100 80 GB, 512 text "
                     "tokens, 1k-65k vision tokens, pure bf16, uniform TP against vision SP 8 + text TP 8, collocated; "
                     "prints the predicted ratio beside the published 1.26-1.37x")

@@ -53,6 +53,7 @@ class DataConfig:
     # full: every image read through when the index is built (paid once per file + settings); headers: sizes only, a
     # damaged file is then found when a worker decodes it (the run stops naming it)
     validate: Literal["lazy", "full", "headers"] = "lazy"
+    media_timeout_s: float = 60.0  # the longest one request for a medium in an object store may take (then an error)
     mix_seed: int = 0  # which samples a weighted mix (data.path="a.jsonl:0.3,b.parquet:0.7") repeats or drops
     eval_samples: int = 200  # at most this many held-out samples are evaluated
     max_new_tokens: int = 8  # greedy decoding length in evaluation
@@ -257,6 +258,7 @@ class Config:
         _check(self.runtime.encoder_window >= 0, "runtime.encoder_window", "must be >= 0 (0: auto)")
         _check(self.data.loader_workers >= 0, "data.loader_workers", "must be >= 0 (0: load in the worker's thread)")
         _check(self.data.index_workers >= 0, "data.index_workers", "must be >= 0 (0: one process per CPU core)")
+        _check(self.data.media_timeout_s > 0, "data.media_timeout_s", "must be > 0 (seconds)")
         _check(t.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0 (0: no periodic checkpoints)")
         _check(t.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0: keep all)")
         _check(t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", "must be >= 0 (0: the whole logits at once)")
@@ -417,7 +419,8 @@ def check_files_exist(cfg: Config) -> None:
                             "or a directory saved by HF datasets (save_to_disk)")
         if not p.is_file():
             raise DataError(f"data.{key}: {_missing(p)}; give a JSON or JSONL file of samples (README: data forms)")
-    if d.image_root is not None and not Path(d.image_root).is_dir():
+    remote_root = "://" in str(d.image_root)  # a URL prefix: checked by dhp.storage.localize_inputs
+    if d.image_root is not None and not remote_root and not Path(d.image_root).is_dir():
         raise DataError(f"data.image_root: {_not_dir(Path(d.image_root))}; set it to the folder the samples' image "
                         "paths are relative to (unset: the data file's folder)")
     if m.hf_path is not None:

@@ -8,8 +8,8 @@ parallelization and its data hooks come from the family's ``Module`` objects (``
 
 Per micro-batch the driver calls, for every encoder e (vision, audio, ...)::
 
-    pieces[e] = encoder_e.forward(key, sample_ids)          # {sample_id: (token_index [n], embeddings [n, D])}
-    loss_sum, n, grads = language.forward_backward(ids, pieces)   # grads: {e: {sample_id: [n_e_tokens, D]}}
+    pieces[e] = encoder_e.forward(key, sample_ids)          # {sample_id: (token_index [n], {name: [n, D_name]})}
+    loss_sum, n, grads = language.forward_backward(ids, pieces)   # grads: {e: {sample_id: {name: [n_e, D_name]}}}
     encoder_e.backward(key, grads[e])
 
 and per step: ``finish_gradients(1 / N_global)``, ``grad_norm_sq`` on every module, one
@@ -18,8 +18,10 @@ micro-batches backpropagate summed losses, and the accumulated gradients are
 scaled once by the supervised-token count of the whole global batch (never a
 mean of micro-batch means), then summed over the ranks that hold partial sums.
 
-A piece is (token_index, embeddings): which of the sample's placeholder tokens for
-that encoder (in the order the language model places them) this rank computed.
+A piece is (token_index, named outputs): the encoder's outputs by name (``Encoder.outputs``: one,
+``"embeds"``, for most encoders; an encoder may declare more, which the language model declares it takes,
+``LanguageModel.inputs``), each of its own width and dtype, of the sample's placeholder tokens for that
+encoder (in the order the language model places them) this rank computed.
 Without sequence parallelism a rank computes them all; under Ulysses SP each rank
 holds a slice.
 """
@@ -39,11 +41,11 @@ from torch import nn
 from dhp.config import Config, ConfigError, ParallelConfig, TrainConfig, compute_dtype
 from dhp.data.batch import Sample, pack
 from dhp.data.loader import pin_tensors, to_device
-from dhp.models.spec import Encoder, Family, LanguageModel, Module, ParallelizeOptions
+from dhp.models.spec import Encoder, Family, LanguageModel, Module, Named, ParallelizeOptions
 from dhp.parallel.layout import Parallel
 
 SampleLoader = Callable[..., Sample]  # (sample_id, pixels: bool) -> Sample
-Piece = tuple[torch.Tensor, torch.Tensor]  # (token index [n] into the sample's placeholder tokens, embeddings [n, D])
+Piece = tuple[torch.Tensor, Named]  # (token index [n] into the sample's placeholder tokens, {output name: [n, D_name]})
 
 __all__ = ["EncoderEngine", "LanguageEngine", "ModuleEngine", "Parallel", "Piece", "Precision", "assemble",
            "assemble_slice", "precision_of", "sequence_slice", "single_process", "slot_positions"]
@@ -480,14 +482,15 @@ class EncoderEngine(ModuleEngine):
                  par: Parallel | None = None, device: str = "cpu") -> None:
         super().__init__(definition, family, model_cfg, cfg, par, device)
         self.load = load
-        self.pending: dict[object, tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.pending: dict[object, tuple[Named, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     @property
     def needs_backward(self) -> bool:
         return bool(self.trainable)
 
     def forward(self, key: object, sample_ids: list[int]) -> dict[int, Piece]:
-        """This rank's embeddings of each sample that carries this encoder's modality (detached).
+        """This rank's outputs of each sample that carries this encoder's modality (detached), by name
+        (``Encoder.outputs``): ``{sample id: (token index, {name: rows})}``.
 
         In the dtype the encoder computes them in (bfloat16 under ``train.dtype=bfloat16``): that is what
         crosses to the language model, which takes them as float32 leaves (``LanguageEngine``), as a cast
@@ -499,7 +502,8 @@ class EncoderEngine(ModuleEngine):
         # FSDP2 ranks gather and reduce in lockstep: a replica without media still runs (on zero tokens)
         grad_ctx = nullcontext() if self.needs_backward else torch.no_grad()
         with grad_ctx, self.autocast():
-            embeds, index = self.definition.encode(self.module, carrying, self.par, self.device)  # [n, D], [n]
+            out, index = self.definition.encode(self.module, carrying, self.par, self.device)  # embeddings, [n]
+        outputs = self.definition.named_outputs(out, self.model_cfg)  # {name: [n, D_name]}
         pieces, rows = {}, {}
         start = 0
         for s in carrying:
@@ -508,40 +512,48 @@ class EncoderEngine(ModuleEngine):
             if len(mine):
                 token_index = index[mine] - start  # which of the sample's placeholder tokens
                 rows[s.index] = (mine, token_index)
-                pieces[s.index] = (token_index, embeds.detach()[mine])
+                pieces[s.index] = (token_index, {n: t.detach()[mine] for n, t in outputs.items()})
             start = end
         if self.needs_backward:
-            self.pending[key] = (embeds, rows)
+            self.pending[key] = (outputs, rows)
         return pieces
 
-    def backward(self, key: object, grads: dict[int, torch.Tensor]) -> None:
-        """Backpropagate the loss gradient w.r.t. the embeddings this rank produced for ``key``.
+    def backward(self, key: object, grads: dict[int, Named]) -> None:
+        """Backpropagate the loss gradients w.r.t. the outputs this rank produced for ``key``.
 
-        ``grads`` holds each sample's whole gradient [n_tokens, D]; this rank takes its rows."""
+        ``grads`` holds each sample's whole gradient of each output by name [n_tokens, D_name]; this rank takes
+        its rows."""
         if not self.needs_backward or key not in self.pending:
             return
         _, rows = self.pending[key]
-        own = {sid: grads[sid].to(self.device)[token_index.to(self.device)] for sid, (_, token_index) in rows.items()}
+        own = {sid: {n: g.to(self.device)[token_index.to(self.device)] for n, g in grads[sid].items()}
+               for sid, (_, token_index) in rows.items()}
         self.backward_rows(key, own)
 
-    def backward_rows(self, key: object, grads: dict[int, torch.Tensor]) -> None:
-        """Backpropagate from the gradients of this rank's own rows: ``grads[sid]`` [rows, D] in the order of
-        the token index ``forward`` gave for ``sid`` (what the point-to-point data plane sends back)."""
+    def backward_rows(self, key: object, grads: dict[int, Named]) -> None:
+        """Backpropagate from the gradients of this rank's own rows: ``grads[sid][name]`` [rows, D_name] in the
+        order of the token index ``forward`` gave for ``sid`` (what the point-to-point data plane sends back);
+        one backward through every output at once."""
         if not self.needs_backward or key not in self.pending:
             return
-        embeds, rows = self.pending.pop(key)
-        grad = torch.zeros_like(embeds)
-        for sid, (local_rows, _) in rows.items():
-            grad[local_rows] = grads[sid].to(device=grad.device, dtype=grad.dtype)
-        embeds.backward(grad)
+        outputs, rows = self.pending.pop(key)
+        tensors, seeds = [], []
+        for name, out in outputs.items():
+            grad = torch.zeros_like(out)
+            for sid, (local_rows, _) in rows.items():  # every output's gradient must have come back
+                grad[local_rows] = grads[sid][name].to(device=grad.device, dtype=grad.dtype)
+            if out.requires_grad:
+                tensors.append(out)
+                seeds.append(grad)
+        if tensors:
+            torch.autograd.backward(tensors, seeds)
 
-    def output_width(self, key: object) -> int:
-        """The width of the embeddings kept for ``key``'s backward (0: none kept)."""
-        return self.pending[key][0].shape[-1] if key in self.pending else 0
-
-    def output_dtype(self, key: object) -> torch.dtype:
-        """The dtype of the embeddings kept for ``key``'s backward (what their gradients come back in)."""
-        return self.pending[key][0].dtype if key in self.pending else torch.float32
+    def output_layout(self, key: object) -> tuple[tuple[str, int, torch.dtype], ...]:
+        """(name, width, dtype) of each output kept for ``key``'s backward, in ``outputs`` order: what their
+        gradients come back as (empty: none kept)."""
+        if key not in self.pending:
+            return ()
+        return tuple((n, t.shape[-1], t.dtype) for n, t in self.pending[key][0].items())
 
 
 class LanguageEngine(ModuleEngine):
@@ -553,15 +565,19 @@ class LanguageEngine(ModuleEngine):
                  par: Parallel | None = None, device: str = "cpu") -> None:
         super().__init__(family.language, family, model_cfg, cfg, par, device)
         self.encoders = family.encoders
+        self.definition.check_outputs(self.encoders, model_cfg)  # every output moved is one the module consumes
         self.load = load
         self.encoder_trains = {e.name: encoder_trains(cfg, e) for e in self.encoders}
         self._token_rows: dict[tuple[str, int], torch.Tensor] = {}  # (encoder, sample) -> its rows here (slices)
 
     def forward_backward(
         self, sample_ids: list[int], pieces: dict[str, dict[int, list[Piece]]], sequence_slice: bool = False
-    ) -> tuple[torch.Tensor, int, dict[str, dict[int, torch.Tensor]]]:
+    ) -> tuple[torch.Tensor, int, dict[str, dict[int, Named]]]:
         """Summed loss (a detached float32 scalar on the device: read it once per step, not per micro-batch),
-        supervised tokens, and per encoder d(summed loss)/d(embeddings) per sample.
+        supervised tokens, and per encoder d(summed loss)/d(output) per sample, by output name.
+
+        Each encoder's named outputs of a placeholder id reach ``loss_sum``'s ``media`` through
+        ``LanguageModel.handover`` (the tensor itself where the module consumes one input).
 
         The batch's segment boundaries, placeholder positions and supervised rows are host metadata
         (``PackedMeta``): the micro-batch reads no value back from the device.
@@ -579,7 +595,7 @@ class LanguageEngine(ModuleEngine):
         inputs = self._inputs(batch)  # copies issued before the media are placed: they overlap it
         bounds = self._own_slice(batch.input_ids.numel()) if sequence_slice else None
         media: dict[int, Any] = {}
-        leaves: dict[str, dict[int, torch.Tensor]] = {}
+        leaves: dict[str, dict[int, Named]] = {}
         self._token_rows = {}
         for enc in self.encoders:
             carrying = [s for s in samples if enc.num_placeholders(s, self.model_cfg)]
@@ -589,15 +605,16 @@ class LanguageEngine(ModuleEngine):
             if bounds is not None:
                 leaves[enc.name] = self._slice_leaves(enc, carrying, got, meta, bounds, media)
                 continue
-            leaves[enc.name] = {  # float32 leaves, whatever dtype the pieces travelled in
-                s.index: assemble(got.get(s.index, []), enc.num_placeholders(s, self.model_cfg), s.index, enc.name)
-                .to(self.device, torch.float32).requires_grad_(self.encoder_trains[enc.name]) for s in carrying
+            leaves[enc.name] = {  # float32 leaves per output, whatever dtype the pieces travelled in
+                s.index: self._leaves(enc, assemble(got.get(s.index, []), enc.num_placeholders(s, self.model_cfg),
+                                                    s.index, enc.name)) for s in carrying
             }
             ids = enc.placeholder_ids(self.model_cfg)  # a sample's embeddings: the first id's, then the next's
-            chunks = [leaves[enc.name][s.index].split(list(enc.placeholder_counts(s, self.model_cfg)))
-                      for s in carrying]
+            chunks = [{n: leaf.split(list(enc.placeholder_counts(s, self.model_cfg)))
+                       for n, leaf in leaves[enc.name][s.index].items()} for s in carrying]
             for k, token_id in enumerate(ids):
-                media[token_id] = torch.cat([c[k] for c in chunks])
+                media[token_id] = self.definition.handover({n: torch.cat([c[n][k] for c in chunks])
+                                                            for n in chunks[0]}, self.model_cfg)
         with self.autocast():
             loss = self.module.loss_sum(
                 *inputs,
@@ -607,10 +624,15 @@ class LanguageEngine(ModuleEngine):
             )
         if loss.requires_grad:
             loss.backward()
-        grads = {name: {i: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                        for i, leaf in per_sample.items()}
+        grads = {name: {i: {n: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                            for n, leaf in named.items()} for i, named in per_sample.items()}
                  for name, per_sample in leaves.items() if self.encoder_trains[name]}
         return loss.detach(), meta.num_supervised, grads
+
+    def _leaves(self, enc: Encoder, named: Named) -> Named:
+        """A sample's arrived outputs as float32 gradient leaves on the device (a leaf per output)."""
+        trains = self.encoder_trains[enc.name]
+        return {n: t.to(self.device, torch.float32).requires_grad_(trains) for n, t in named.items()}
 
     def _inputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed ids, positions and targets on the device: on CUDA put in pinned memory first, so that their
@@ -634,15 +656,16 @@ class LanguageEngine(ModuleEngine):
         return sequence_slice(n_tokens, p.tp, self.par.inner_rank)
 
     def _slice_leaves(self, enc: Encoder, carrying: list[Sample], got: dict[int, list[Piece]], meta: Any,
-                      bounds: tuple[int, int], media: dict[int, Any]) -> dict[int, torch.Tensor]:
-        """This rank's rows of ``enc``'s embeddings of each sample: float32 leaves [own rows, D], in token-index
-        order; into ``media``, per placeholder id, (rows, their flat positions): ``TextModel.embed`` places them
-        and leaves the id's other slots (the other ranks' slices, cut away before the first layer) at zero."""
+                      bounds: tuple[int, int], media: dict[int, Any]) -> dict[int, Named]:
+        """This rank's rows of ``enc``'s outputs of each sample: float32 leaves [own rows, D_name] per output,
+        in token-index order; into ``media``, per placeholder id, (rows (``handover``), their flat positions):
+        ``TextModel.embed`` places them and leaves the id's other slots (the other ranks' slices, cut away before
+        the first layer) at zero; every named part is cut the same way."""
         from dhp.ops.attention import host_metadata
 
         lo, hi = bounds
         ids = enc.placeholder_ids(self.model_cfg)
-        rows: dict[int, list[torch.Tensor]] = {t: [] for t in ids}
+        rows: dict[int, list[Named]] = {t: [] for t in ids}
         positions: dict[int, list[torch.Tensor]] = {t: [] for t in ids}
         taken = dict.fromkeys(ids, 0)  # each id's positions in the batch, consumed sample by sample
         leaves = {}
@@ -662,17 +685,19 @@ class LanguageEngine(ModuleEngine):
                     raise RuntimeError(f"sample {s.index}: {enc.name} embeddings arrived for slots outside this "
                                        f"rank's sequence slice [{lo}, {hi})")
                 continue
-            leaf, token_rows = assemble_slice(arrived, mine, len(pos), s.index, enc.name, self.device)
-            leaf = leaf.to(self.device, torch.float32).requires_grad_(self.encoder_trains[enc.name])
-            leaves[s.index] = leaf
+            named, token_rows = assemble_slice(arrived, mine, len(pos), s.index, enc.name, self.device)
+            leaves[s.index] = leaf = self._leaves(enc, named)
             self._token_rows[(enc.name, s.index)] = token_rows
-            for t, chunk, sel in zip(ids, leaf.split(per_id), mine.split(per_id), strict=True):
-                rows[t].append(chunk)
+            split = {n: t.split(per_id) for n, t in leaf.items()}
+            for k, (t, sel) in enumerate(zip(ids, mine.split(per_id), strict=True)):
+                rows[t].append({n: parts[k] for n, parts in split.items()})
                 positions[t].append(pos[sel])
         for t in ids:
             with host_metadata():
                 where = torch.cat([torch.zeros(0, dtype=torch.long), *positions[t]])
-            media[t] = (torch.cat(rows[t]) if rows[t] else None, where)
+            value = None if not rows[t] else self.definition.handover(
+                {n: torch.cat([r[n] for r in rows[t]]) for n in rows[t][0]}, self.model_cfg)
+            media[t] = (value, where)
         return leaves
 
 
@@ -701,10 +726,10 @@ def slot_positions(input_ids: torch.Tensor, placeholder_ids: tuple[int, ...] | l
 
 
 def assemble_slice(pieces: list[Piece], mine: torch.Tensor, n_tokens: int, sample_id: int, module: str,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sample's rows of this rank's sequence slice [len(mine), D], in the order of ``mine`` (its own token
-    indices, host), from the pieces that arrived (token indices on the device); and the map from token index
-    to row (on the device: the arrived indices are never read on the host)."""
+                   device: torch.device) -> tuple[Named, torch.Tensor]:
+    """A sample's rows of this rank's sequence slice, per output ``{name: [len(mine), D_name]}``, in the order
+    of ``mine`` (its own token indices, host), from the pieces that arrived (token indices on the device); and
+    the map from token index to row (on the device: the arrived indices are never read on the host)."""
     seen = sum(len(index) for index, _ in pieces)
     if seen != len(mine):
         raise RuntimeError(f"sample {sample_id}: {seen} {module} embeddings arrived for the {len(mine)} slots of "
@@ -712,20 +737,30 @@ def assemble_slice(pieces: list[Piece], mine: torch.Tensor, n_tokens: int, sampl
     token_rows = torch.full((n_tokens,), -1, dtype=torch.long)
     token_rows[mine] = torch.arange(len(mine))
     token_rows = token_rows.to(device)
-    out = pieces[0][1].new_zeros(len(mine), pieces[0][1].shape[-1])
-    for index, emb in pieces:
-        out[token_rows[index.to(device)]] = emb
+    out = _empty_like_outputs(pieces, len(mine))
+    for index, named in pieces:
+        at = token_rows[index.to(device)]
+        for name, rows in named.items():
+            out[name][at] = rows
     return out, token_rows
 
 
-def assemble(pieces: list[Piece], n_tokens: int, sample_id: int, module: str = "vision") -> torch.Tensor:
-    """A sample's embeddings [n_tokens, D] for one encoder, from the pieces its ranks computed."""
+def _empty_like_outputs(pieces: list[Piece], n: int) -> Named:
+    """Zeros [n, D_name] of each output of the first piece, in its dtype and device."""
+    return {name: rows.new_zeros(n, rows.shape[-1]) for name, rows in pieces[0][1].items()}
+
+
+def assemble(pieces: list[Piece], n_tokens: int, sample_id: int, module: str = "vision") -> Named:
+    """A sample's outputs ``{name: [n_tokens, D_name]}`` of one encoder, from the pieces its ranks computed."""
     if not pieces:
         raise RuntimeError(f"sample {sample_id}: no embeddings arrived from the {module} group")
-    out = pieces[0][1].new_zeros(n_tokens, pieces[0][1].shape[-1])
+    out = _empty_like_outputs(pieces, n_tokens)
     seen = 0
-    for index, emb in pieces:
-        out[index] = emb
+    for index, named in pieces:
+        if named.keys() != out.keys():
+            raise RuntimeError(f"sample {sample_id}: {module} pieces with outputs {sorted(named)} and {sorted(out)}")
+        for name, rows in named.items():
+            out[name][index] = rows
         seen += len(index)
     if seen != n_tokens:
         raise RuntimeError(f"sample {sample_id}: {seen} of {n_tokens} {module} embeddings arrived")

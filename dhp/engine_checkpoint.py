@@ -118,7 +118,7 @@ def load_engine(engine: Any, path: str | Path, group: Any, rank: int, step: int,
     model_t: dict[str, torch.Tensor] = {}
     for name, t in engine.module.state_dict().items():
         name = name.replace("._checkpoint_wrapped_module", "")
-        model_t[name] = _full_like(t) if name in transforms else t
+        model_t[name] = _full_like(t, transforms[name]) if name in transforms else t
     optim_t: dict[str, torch.Tensor] = {}
     targets: dict[str, tuple[torch.Tensor, torch.Tensor, dict, str]] = {}
     for name, (param, stepped, state) in _optimizer_states(engine).items():
@@ -126,7 +126,7 @@ def load_engine(engine: Any, path: str | Path, group: Any, rank: int, step: int,
             if key == "step":
                 value = torch.zeros((), dtype=torch.float32)
             else:
-                value = torch.zeros_like(param) if name not in transforms else _full_like(param)
+                value = torch.zeros_like(param) if name not in transforms else _full_like(param, transforms[name])
             optim_t[f"{name}.{key}"] = value
             targets[f"{name}.{key}"] = (param, stepped, state, key)
     template: dict[str, Any] = {"model": model_t, "optim": optim_t}
@@ -175,8 +175,12 @@ def quiet_single_process() -> Iterator[None]:
         yield
 
 
-def _full_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(t.shape, dtype=t.dtype, device=t.to_local().device if isinstance(t, DTensor) else t.device)
+def _full_like(t: torch.Tensor, transform: Any) -> torch.Tensor:
+    """A whole canonical tensor to read ``t`` into (canonical shape: a padded layout's is smaller)."""
+    from dhp.parallel.materialize import canonical_shape
+
+    return torch.zeros(canonical_shape(transform, t.shape), dtype=t.dtype,
+                       device=t.to_local().device if isinstance(t, DTensor) else t.device)
 
 
 def _layout_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,10 @@ Each module group is a (dp, inner) mesh of ranks: encoder replicas of ``sp``
 One step, per micro-batch round k (``StepPlan.rounds``), for every encoder e:
 
     e rank a of replica q:   forward(k, ids_q)                       its slice of the replica's samples
-    e rank a -> text replica r:  emit(k, ids_q ∩ ids_r)              router: (token index, embeddings) pieces
+    e rank a -> text replica r:  emit(k, ids_q ∩ ids_r)              router: (token index, named outputs) pieces
     text rank b of replica r:  forward_backward(k, ids_r, sources, *pieces)   every TP rank gets every piece
                                (p2p under Megatron SP: each TP rank the rows of its sequence slice only)
-    text head of r -> e replica q:  emit_grads(k, e, ids_r ∩ ids_q)  router: whole per-sample gradients
+    text head of r -> e replica q:  emit_grads(k, e, ids_r ∩ ids_q)  router: whole per-sample gradients, by name
     e rank a:                backward(k, *grads)                     takes the rows of its own slice
 
 then ``finish_gradients(1 / N)`` on every rank (N = supervised tokens of the whole
@@ -345,7 +345,7 @@ class RayBackend:
                 rows = tuple((i, meta["rows"][i]) for i in shared if meta["rows"].get(i, 0))
                 if rows:
                     reply = tuple(self._global_rank(e, b) for b in self._gradient_ranks(e, q, a))
-                    inc = Incoming(e, self._global_rank(e, a), rows, meta["width"], meta["dtype"], reply,
+                    inc = Incoming(e, self._global_rank(e, a), rows, meta["outputs"], reply,
                                    self._parts(meta, r, shared))
                     out[r].append(Emitted(e, a, inc))
         return out

@@ -37,12 +37,16 @@ from dhp.parallel.comm import CommCounter
 from dhp.runtime import Collect, Split, WorkerBase, dispatch, produces_tensors
 from dhp.runtime.data_plane import (
     Incoming,
+    Named,
     P2PChannel,
     dtype_name,
     open_cuda,
+    output_layout,
     pack_rows,
     rows_by_receiver,
+    send_order,
     share_cuda,
+    split_named,
     split_rows,
 )
 from dhp.runtime.mesh import ModuleLayout, create_mesh_groups, device_mesh
@@ -263,8 +267,8 @@ class EncoderWorker(EngineWorker):
 
         ``targets`` (p2p data plane): (global ranks of a text replica, its sample ids) for every text replica
         that needs some of them: the rows are sent to those ranks at once (asynchronously). Otherwise they are
-        kept until ``emit`` hands them out. The result is the receivers' metadata: rows per sample, the
-        rows' width and dtype."""
+        kept until ``emit`` hands them out. The result is the receivers' metadata: rows per sample, and the
+        (name, width, dtype) of each named output (``Encoder.outputs``)."""
         t0 = time.perf_counter()
         with self.counting():
             out = self.engine.forward(key, list(sample_ids))
@@ -272,9 +276,8 @@ class EncoderWorker(EngineWorker):
         self._timed("forward", t0, key)
         self.spans.extend(self.loader.finished_spans())  # the background's loads, on this rank's row
         self.waiting["data"] += self.loader.pop_waited()  # part of the forward: its samples were not ready
-        width = next(iter(out.values()))[1].shape[-1] if out else 0
-        dtype = dtype_name(next(iter(out.values()))[1].dtype) if out else "float32"
-        result = {"rows": {sid: len(index) for sid, (index, _) in out.items()}, "width": width, "dtype": dtype}
+        outputs = output_layout(next(iter(out.values()))[1]) if out else ()
+        result = {"rows": {sid: len(index) for sid, (index, _) in out.items()}, "outputs": outputs}
         if targets is not None:
             to = self._send_pieces(key, out, targets)
             if self.text_slices:  # what each text rank receives: its sequence slice's rows
@@ -304,8 +307,8 @@ class EncoderWorker(EngineWorker):
                 counts, index, rows = pack_rows(out, list(ids), self.engine.device)
                 parts = [(peer, counts, index, rows) for peer in ranks] if counts else []
             for peer, counts, index, rows in parts:
-                if sends:
-                    self.bytes_out += self.channel.send("forward", peer, [index, rows])
+                if sends:  # the token index, then each named output in its own dtype and width
+                    self.bytes_out += self.channel.send("forward", peer, [index, *send_order(rows)])
                 to[peer] = dict(counts)
             if self.text_slices:
                 sent += [(peer, counts) for peer, counts, _, _ in parts]
@@ -316,7 +319,7 @@ class EncoderWorker(EngineWorker):
         return to
 
     def _slices(self, out: dict[int, Piece], ids: list[int], ranks: list[int],
-                batch: list[int]) -> list[tuple[int, tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor]]:
+                batch: list[int]) -> list[tuple[int, tuple[tuple[int, int], ...], torch.Tensor, Named]]:
         """(text rank, rows, token index, rows) for each rank of a text replica that packs ``batch``: the rows
         of ``ids`` that fall in its Megatron-SP sequence slice (sample lengths from the data set's index)."""
         offsets, n = {}, 0
@@ -338,13 +341,14 @@ class EncoderWorker(EngineWorker):
         self._timed("emit", t0, key, busy=False)
         return self._shared(out)
 
-    def backward(self, key: Any, *grads: dict[int, torch.Tensor]) -> None:
-        """Backward of round ``key`` from the gradients of this rank's rows: received from the text replicas'
-        heads (p2p), or handed in by the driver (whole per-sample gradients; this rank takes its rows)."""
+    def backward(self, key: Any, *grads: dict[int, Named]) -> None:
+        """Backward of round ``key`` from the gradients of this rank's rows, by output name: received from the
+        text replicas' heads (p2p), or handed in by the driver (whole per-sample gradients; this rank takes its
+        rows)."""
         if self.channel is not None:
             return self._backward_p2p(key)
         t0 = time.perf_counter()
-        received: dict[int, torch.Tensor] = {}
+        received: dict[int, Named] = {}
         for g in grads:
             received.update(open_cuda(g) if self.data_plane == "cuda_ipc" else g)
         self.bytes_in += _nbytes(received)
@@ -355,17 +359,15 @@ class EncoderWorker(EngineWorker):
 
     def _backward_p2p(self, key: Any) -> None:
         sent = self.sent.pop(key, [])
-        width = self.engine.output_width(key)
-        dtype = dtype_name(self.engine.output_dtype(key))
-        incoming = [Incoming(self.module, head, counts, width, dtype) for head, counts in sent]
+        outputs = tuple((n, w, dtype_name(d)) for n, w, d in self.engine.output_layout(key))  # the gradients' shapes
+        incoming = [Incoming(self.module, head, counts, outputs) for head, counts in sent]
         got, waited = self.channel.receive("backward", incoming, with_index=False)
         self._wait_router(waited, key)
         t0 = time.perf_counter()
-        rows: dict[int, torch.Tensor] = {}
+        rows: dict[int, Named] = {}
         for inc, (_, grad) in zip(incoming, got, strict=True):
-            sizes = [n for _, n in inc.rows]
-            rows.update({sid: g for (sid, _), g in zip(inc.rows, grad.split(sizes), strict=True)})
-            self.bytes_in += grad.numel() * grad.element_size()
+            rows.update(split_named(inc.rows, grad))
+            self.bytes_in += _nbytes(grad)
         with self.counting():
             self.engine.backward_rows(key, rows)
         self._end_turn()
@@ -384,7 +386,7 @@ class LanguageWorker(EngineWorker):
         self._keep_turns_apart(init)
         self._set_counting(init)
         self._open_data_plane(init)
-        self.grads: dict[tuple[Any, str], dict[int, torch.Tensor]] = {}
+        self.grads: dict[tuple[Any, str], dict[int, Named]] = {}
 
     @dispatch(split=Split.REPLICA, collect=Collect.ALL)
     def prefetch(self, key: Any, sample_ids: list[int]) -> None:
@@ -406,7 +408,7 @@ class LanguageWorker(EngineWorker):
         kept = [(source, p) for source, p in kept if p is not None]
         sources, pieces = [source for source, _ in kept], tuple(p for _, p in kept)
         incoming = [p for p in pieces if isinstance(p, Incoming)]
-        got: list[tuple[torch.Tensor, torch.Tensor]] = []
+        got: list[tuple[torch.Tensor, Named]] = []
         if incoming:
             got, waited = self.channel.receive("forward", incoming)
             self._wait_router(waited, key)
@@ -416,7 +418,7 @@ class LanguageWorker(EngineWorker):
         for source, part in zip(sources, pieces, strict=True):
             if isinstance(part, Incoming):
                 index, rows = next(arrived)
-                self.bytes_in += index.numel() * index.element_size() + rows.numel() * rows.element_size()
+                self.bytes_in += _nbytes(index) + _nbytes(rows)
                 part = split_rows(part.rows, index, rows)
             else:
                 part = open_cuda(part) if self.data_plane == "cuda_ipc" else part
@@ -439,23 +441,25 @@ class LanguageWorker(EngineWorker):
         self.waiting["data"] += self.loader.pop_waited()
         return float(loss), n  # the driver sums the losses: one read per micro-batch, after its backward
 
-    def _send_grads(self, grads: dict[str, dict[int, torch.Tensor]], incoming: list[Incoming],
-                    got: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """To each encoder rank that sent rows: the gradients of exactly those rows, in its order and dtype."""
+    def _send_grads(self, grads: dict[str, dict[int, Named]], incoming: list[Incoming],
+                    got: list[tuple[torch.Tensor, Named]]) -> None:
+        """To each encoder rank that sent rows: the gradients of exactly those rows, one tensor per named output,
+        in its order and dtype."""
         for inc, (index, _) in zip(incoming, got, strict=True):
             if inc.module not in grads:  # a frozen encoder takes no gradients
                 continue
             per_sample = grads[inc.module]
             sizes = [n for _, n in inc.rows]
-            rows = [per_sample[sid][self.engine.gradient_rows(inc.module, sid, token_index)] for (sid, _), token_index
-                    in zip(inc.rows, index.split(sizes), strict=True)]
-            grad = torch.cat(rows).to(_dtype_of(inc.dtype))
+            at = [(sid, self.engine.gradient_rows(inc.module, sid, token_index))
+                  for (sid, _), token_index in zip(inc.rows, index.split(sizes), strict=True)]
+            grad = [torch.cat([per_sample[sid][name][rows] for sid, rows in at]).to(_dtype_of(dtype))
+                    for name, _, dtype in inc.outputs]
             for peer in inc.gradient_peers:
-                self.bytes_out += self.channel.send("backward", peer, [grad])
+                self.bytes_out += self.channel.send("backward", peer, grad)
 
     @produces_tensors
-    def emit_grads(self, key: Any, encoder: str, sample_ids: list[int], last: bool) -> dict[int, torch.Tensor]:
-        """d(loss)/d(embeddings) of ``sample_ids``, for the ``encoder`` replica that produced them."""
+    def emit_grads(self, key: Any, encoder: str, sample_ids: list[int], last: bool) -> dict[int, Named]:
+        """d(loss)/d(output) of ``sample_ids`` by output name, for the ``encoder`` replica that produced them."""
         t0 = time.perf_counter()
         if (key, encoder) not in self.grads:
             raise RuntimeError(f"{self.module} rank {self.rank}: no {encoder} gradients for micro-batch {key}: "

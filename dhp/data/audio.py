@@ -10,12 +10,14 @@ Why a module of its own, and why it looks like this:
 * **librosa's result without librosa.** ``load_audio(path, rate)`` matches ``librosa.load(path, sr=rate,
   mono=True)``: channel average, soxr "HQ" resampling.
 * **A leaf library.** numpy, soundfile and soxr only (plus ``dhp.errors``). Nothing happens at import time.
+  A clip is a path or an open file object (a clip in an object store, fetched by ``dhp.storage.open_media``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import soundfile as sf
@@ -61,16 +63,25 @@ def _describe(path: str | os.PathLike) -> str:
     return f"audio file {os.fspath(path)!s}"
 
 
-def read_header(path: str | os.PathLike) -> AudioHeader:
-    """The ``AudioHeader`` of an audio file (soundfile.info; nothing is decoded).
-
-    Raises AudioError naming the file if it does not exist, cannot be read (soundfile's message is given), or
-    holds no frames."""
+def _opened(path: Any) -> tuple[str, Any]:
+    """(the file's name, what soundfile opens): a path, or an open file object (a medium fetched from an object
+    store, ``dhp.storage.MediaFile``; its ``str`` is its URL). Raises AudioError for a local file that is missing."""
+    if hasattr(path, "read"):
+        return str(path), path
     name = os.fspath(path)
     if not os.path.isfile(name):
         raise AudioError(f"{_describe(name)} does not exist (or is not a file); check the path in the data file")
+    return name, name
+
+
+def read_header(path: str | os.PathLike | Any) -> AudioHeader:
+    """The ``AudioHeader`` of an audio file or open file object (soundfile.info; nothing is decoded).
+
+    Raises AudioError naming the file if it does not exist, cannot be read (soundfile's message is given), or
+    holds no frames."""
+    name, source = _opened(path)
     try:
-        info = sf.info(name)
+        info = sf.info(source)
     except (sf.SoundFileError, OSError) as e:
         raise AudioError(f"{_describe(name)} cannot be read: {e}; is it a WAV, FLAC or OGG file?") from e
     if info.frames <= 0:
@@ -92,15 +103,13 @@ def resample(wave: np.ndarray, sample_rate: int, rate: int) -> np.ndarray:
     return soxr.resample(wave, sample_rate, rate, quality=RESAMPLE_QUALITY)
 
 
-def load_audio(path: str | os.PathLike, rate: int) -> np.ndarray:
+def load_audio(path: str | os.PathLike | Any, rate: int) -> np.ndarray:
     """Decode an audio file (WAV, FLAC, OGG, ... through libsndfile) to mono float32 [n] at ``rate`` Hz.
 
     Same as ``librosa.load(path, sr=rate, mono=True)``: channels averaged, then soxr "HQ" resampling."""
-    name = os.fspath(path)
-    if not os.path.isfile(name):
-        raise AudioError(f"{_describe(name)} does not exist (or is not a file); check the path in the data file")
+    name, source = _opened(path)
     try:
-        data, file_rate = sf.read(name, dtype="float32", always_2d=True)
+        data, file_rate = sf.read(source, dtype="float32", always_2d=True)
     except (sf.SoundFileError, OSError) as e:
         raise AudioError(f"{_describe(name)} cannot be decoded: {e}; is it a WAV, FLAC or OGG file?") from e
     if data.shape[0] == 0:

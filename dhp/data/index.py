@@ -75,6 +75,7 @@ class SampleIndex:
     fingerprint: str
     spans: np.ndarray | None = None
     directory: Path | None = None
+    transient: int = 0  # media whose fetch failed while it was built (not stored: such an index is not cached)
 
     def __len__(self) -> int:
         return len(self.status)

@@ -67,7 +67,7 @@ def read_through(dataset: Any, i: int) -> DataIssue | None:
             continue
         for source, fact in zip(items, facts.get(kind, ()), strict=True):
             try:
-                found = media.probe(opened(source))
+                found = media.probe(opened(source, timeout_s=ds.media_timeout_s))
             except (OSError, ValueError) as e:
                 return DataIssue(str(ds.file), k, str(e) if str(source) in str(e) else f"{kind} {source}: {e}")
             if found != fact:

@@ -7,8 +7,9 @@ chat ``messages`` of ``role``/``content`` with ``<image>`` tags and ``images``
 ``content`` is a list of ``{"type": "text", "text": ...}`` and
 ``{"type": "image"}`` parts (transformers' chat templates, TRL), an image part
 taking the next entry of ``images`` or naming its own file (``image``,
-``path``, ``url``, ``image_url``). Images are local files; relative paths are
-relative to ``data.image_root`` (default: the data file's folder); in parquet and
+``path``, ``url``, ``image_url``). Media are local files or object-store URLs (``s3://``, ``gs://``...);
+relative paths are relative to ``data.image_root`` (a folder or a URL prefix; default: the data file's folder,
+for a data file read from a URL the folder it was read from); in parquet and
 HF ``datasets`` rows (``dhp.data.sources``) an image may also be the bytes of an
 HF Image struct (``{"bytes": ..., "path": ...}``).
 
@@ -44,7 +45,6 @@ import json
 import multiprocessing
 import os
 import pickle
-import re
 import sys
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -65,6 +65,7 @@ from dhp.data.tokenizer import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACE
 from dhp.errors import DataError
 from dhp.models.spec import SampleInfo
 from dhp.progress import Progress
+from dhp.storage import MEDIA_TIMEOUT_S, AnyPath, UrlPath, is_remote, media_exists, media_ref, media_root, open_media
 
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MESSAGE_ROLES = ("system", "user", "assistant")
@@ -97,10 +98,10 @@ class _Record:
 
     index: int
     messages: list[dict[str, str]]
-    images: list[Path]
+    images: list[AnyPath]  # a local path or a URL (``dhp.storage.UrlPath``), or inline bytes
     problem: str | None = None  # a structural problem found while parsing
-    videos: list[Path | list[Path]] = field(default_factory=list)  # a file, or a list of frame images
-    audios: list[Path] = field(default_factory=list)
+    videos: list[AnyPath | list[AnyPath]] = field(default_factory=list)  # a file, or a list of frame images
+    audios: list[AnyPath] = field(default_factory=list)
     parts: bool = False  # HF chat content: media given as {"type": "image"} parts, not <image> tags
 
     @property
@@ -123,7 +124,7 @@ class _Checker:
     the process that opened the data set or in a worker of the index-building pool."""
 
     file: Path
-    image_root: Path
+    image_root: AnyPath  # a local folder or a URL prefix
     cfg: DataConfig
     tokenizer: Tokenizer
     processor: Processor
@@ -159,24 +160,50 @@ class _Checker:
         return [], len(ids), facts, counts
 
     def _probe(self, kind: str, source: Any) -> tuple[Any, str | None]:
-        """The processor's fact of one media item from its header, or a problem naming the file and the fix."""
+        """The processor's fact of one media item from its header, or a problem naming the file and the fix. A
+        medium in an object store is fetched now (its first block for a header, all of it for ``full``)."""
         files = source if isinstance(source, list) else [source]
         frame = "frame " if isinstance(source, list) else ""
-        for f in files:
-            if not isinstance(f, InlineMedia) and not f.is_file():
-                return None, (f"{kind} {frame}file {f} does not exist; fix the path (relative to {self.image_root}) "
-                              "or add it")
+        handle = None
         try:
+            for j, f in enumerate(files):  # (a URL is found missing when it is opened below; later frames by a HEAD)
+                if not isinstance(f, InlineMedia) and (not is_remote(f) or j > 0) and \
+                        not media_exists(f, self.media_timeout_s):
+                    return None, self._missing(kind, frame, f)
             media = self.processor.kind(kind)
             probe = media.probe if self.cfg.validate == "full" else media.probe_header  # (lazy: as headers)
-            return probe(opened(source)), None
+            handle = opened(source, whole=self.cfg.validate == "full", timeout_s=self.media_timeout_s)
+            return probe(handle), None
         except (OSError, ValueError) as e:
-            return None, str(e) if str(files[0]) in str(e) else f"{kind} {_name(source)}: {e}"
+            return None, self._unusable(kind, frame, source, e, handle)
+
+    def _unusable(self, kind: str, frame: str, source: Any, e: Exception, handle: Any) -> str:
+        """The problem of a medium that raised ``e`` when probed (``handle``: what it was opened as, if it was)."""
+        files = source if isinstance(source, list) else [source]
+        remote = is_remote(files[0])
+        if remote and isinstance(e, FileNotFoundError) and e.filename:
+            return self._missing(kind, frame, e.filename)
+        failed = _failure(handle)
+        if failed is not None or (remote and handle is None and isinstance(e, OSError)):
+            self.transient += 1  # (a failed request, not a bad medium: this index is not cached)
+            return (f"{kind} {_name(source)} could not be fetched ({failed or e}); it is left out of this start's "
+                    "index only, so check the storage and start again")
+        return str(e) if str(files[0]) in str(e) else f"{kind} {_name(source)}: {e}"
+
+    transient = 0  # media whose fetch failed (timeouts, connections) since this checker was made
+
+    @property
+    def media_timeout_s(self) -> float:
+        return float(getattr(self.cfg, "media_timeout_s", MEDIA_TIMEOUT_S))
+
+    def _missing(self, kind: str, frame: str, f: Any) -> str:
+        return f"{kind} {frame}file {f} does not exist; fix the path (relative to {self.image_root}) or add it"
 
     def _check_range(self, records: RecordFile, start: int, stop: int, progress: Progress | None = None) -> _Chunk:
         """The index columns of records ``start`` to ``stop`` (``progress``: told of each record)."""
         n = stop - start
         chunk = _Chunk(np.full(n, index.BAD, np.int8), np.full(n, -1, np.int32), np.zeros(n, np.uint8), [], [])
+        transient = self.transient
         for j, (item, err) in enumerate(records.read_range(start, stop)):
             rec = _record(start + j, item, err, self.image_root)
             chunk.kinds[j] = index.kinds_bits(rec.media)
@@ -189,6 +216,7 @@ class _Checker:
                 continue
             chunk.status[j], chunk.tokens[j] = index.GOOD, n_tokens
             chunk.meta.append(pickle.dumps((facts, counts), protocol=pickle.HIGHEST_PROTOCOL))
+        chunk.transient = self.transient - transient
         return chunk
 
 
@@ -201,6 +229,7 @@ class _Chunk:
     kinds: np.ndarray
     meta: list[bytes]
     issues: list[tuple[int, str]]
+    transient: int = 0  # media whose fetch failed for another reason than their content (the index is not cached)
 
 
 class SFTDataset(_Checker):
@@ -224,7 +253,7 @@ class SFTDataset(_Checker):
         self.tokenizer = tokenizer
         self.processor = processor
         self.file = Path(path)
-        self.image_root = Path(cfg.image_root) if cfg.image_root else self.file.parent
+        self.image_root = media_root(cfg.image_root, self.file)
         self.index = self._open_index(validated, index_dir, index_digest)
         self._file_records = open_records(self.file, self.index.spans)
         self._records = _Records(self)
@@ -344,7 +373,7 @@ class SFTDataset(_Checker):
             out[kind] = []
             for source, fact in zip(items, facts[kind], strict=True):
                 try:
-                    out[kind].append(media.decode(opened(source), fact))
+                    out[kind].append(media.decode(opened(source, timeout_s=self.media_timeout_s), fact))
                 except (OSError, ValueError) as e:
                     raise DataError(f"{self.file} sample {rec.index}: {kind} {_name(source)} cannot be processed "
                                     f"({e}); fix or remove the file, or drop the sample") from e
@@ -377,7 +406,8 @@ class _Records:
 POOL_MIN_RECORDS = 20000  # smaller files are indexed in the calling process (a pool of spawned processes starts slower)
 CHUNK_RECORDS = 2048  # records per pool task
 SETTINGS_IGNORED = ("path", "eval_path", "on_error", "loader_workers", "eval_samples", "max_new_tokens",
-                    "index_workers", "index_cache", "mix_seed")  # data keys that change nothing validation finds
+                    "index_workers", "index_cache", "mix_seed",
+                    "media_timeout_s")  # data keys that change nothing validation finds
 
 
 def index_key(ds: _Checker, fp: str) -> tuple[str, dict[str, Any]]:
@@ -387,7 +417,8 @@ def index_key(ds: _Checker, fp: str) -> tuple[str, dict[str, Any]]:
     if settings.get("validate") == "lazy":  # the same index as headers (lazy reads the rest in the run)
         settings["validate"] = "headers"
     tok_file = Path(ds.tokenizer.path) / "tokenizer.json"
-    manifest = {"file": str(ds.file.absolute()), "fingerprint": fp, "image_root": str(ds.image_root.absolute()),
+    root = ds.image_root if isinstance(ds.image_root, UrlPath) else ds.image_root.absolute()
+    manifest = {"file": str(ds.file.absolute()), "fingerprint": fp, "image_root": str(root),
                 "settings": index.stable(settings), "processor": index.stable(ds.processor),
                 "tokenizer": hashlib.sha256(tok_file.read_bytes()).hexdigest()[:32] if tok_file.is_file() else ""}
     blob = json.dumps(manifest, sort_keys=True).encode()
@@ -409,7 +440,10 @@ def cached_index(ds: _Checker) -> index.SampleIndex:
             return stored
     records = open_records(ds.file)  # (a malformed file: its DataError, before anything is built)
     built = build_index(ds, records, fp)
-    if use_cache:
+    if built.transient:
+        print(f"dhp: {built.transient} medium(s) of {ds.file} could not be fetched (named in the data report); its "
+              "index is kept for this start only, so that the next start fetches them again", file=sys.stderr)
+    elif use_cache:
         try:
             index.save(built, directory, manifest)
         except OSError as e:  # a read-only cache: the run goes on, the next start validates again
@@ -438,7 +472,8 @@ def build_index(ds: _Checker, records: RecordFile, fp: str) -> index.SampleIndex
     meta, meta_offsets = index.pack_meta([b for c in chunks for b in c.meta])
     return index.SampleIndex(_column(chunks, "status", np.int8), _column(chunks, "tokens", np.int32),
                              _column(chunks, "kinds", np.uint8), meta, meta_offsets,
-                             [i for c in chunks for i in c.issues], fp, spans=records.spans())
+                             [i for c in chunks for i in c.issues], fp, spans=records.spans(),
+                             transient=sum(c.transient for c in chunks))
 
 
 def _pooled(ds: _Checker, records: RecordFile, ranges: list[tuple[int, int]], workers: int,
@@ -467,7 +502,7 @@ class _PoolJob:
     cfg: DataConfig
     tokenizer_dir: str
     processor: Processor
-    image_root: Path
+    image_root: AnyPath
     spans: np.ndarray | None
 
 
@@ -504,7 +539,7 @@ def _from_validation(v: ValidationResult, file: Path) -> index.SampleIndex:
                              fingerprint(file))
 
 
-def _summary(file: Path, issues: list[DataIssue], image_root: Path, cfg: DataConfig, num_records: int,
+def _summary(file: Path, issues: list[DataIssue], image_root: AnyPath, cfg: DataConfig, num_records: int,
              skipping: bool = False) -> str:
     """The error: one line that says what is wrong and the fix (the cause shared by every problem when there is
     one: a wrong image root, a too small data.max_length), then the first problems, one per line."""
@@ -559,14 +594,14 @@ def _parts_fix(n: int, kind: str) -> str:
             f"one file per bare part in '{kind}s'")
 
 
-def _name(clip: Path | list[Path]) -> str:
+def _name(clip: AnyPath | list[AnyPath]) -> str:
     return f"of {len(clip)} frames from {clip[0]}" if isinstance(clip, list) and clip else str(clip)
 
 
 # ---- reading ----------------------------------------------------------------------------
 
 
-def _record(index: int, item: Any, error: str | None, image_root: Path) -> _Record:
+def _record(index: int, item: Any, error: str | None, image_root: AnyPath) -> _Record:
     if error:
         return _Record(index, [], [], error)
     if not isinstance(item, dict):
@@ -664,13 +699,26 @@ class InlineMedia:
     __repr__ = __str__
 
 
-def opened(source: Any) -> Any:
-    """What a processor reads: a path as it is, inline bytes as a fresh file object (``str``: their name)."""
+def opened(source: Any, whole: bool = True, timeout_s: float = MEDIA_TIMEOUT_S) -> Any:
+    """What a processor reads: a local path as it is, inline bytes as a fresh file object (``str``: their name), a
+    medium in an object store as a file fetched now (``dhp.storage.open_media``: ``whole``, or its first block for
+    a header read). A frame list item by item; for a header read only its first frame is fetched (the processors
+    read the first frame's header only)."""
+    if isinstance(source, list):
+        return [opened(f, whole, timeout_s) if whole or j == 0 else f for j, f in enumerate(source)]
     if isinstance(source, InlineMedia):
         buf = _NamedBytes(source.data)
         buf.label = str(source)
         return buf
-    return source
+    return open_media(source, whole, timeout_s)
+
+
+def _failure(handle: Any) -> OSError | None:
+    """The failed request of an opened medium (or of a frame list's), if one failed: not the medium's fault."""
+    for h in handle if isinstance(handle, list) else [handle]:
+        if getattr(h, "failed", None) is not None:
+            return h.failed
+    return None
 
 
 class _NamedBytes(io.BytesIO):
@@ -680,12 +728,10 @@ class _NamedBytes(io.BytesIO):
         return self.label
 
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def _local_image(path: Any, image_root: Path, what: str = "image") -> Path | InlineMedia:
-    """A sample's image (or video) path as a local file: relative paths are relative to ``image_root``; no URLs.
-    An image given inline (an HF struct with bytes) is kept as its bytes."""
+def _local_image(path: Any, image_root: AnyPath, what: str = "image") -> AnyPath | InlineMedia:
+    """A sample's image (or video, audio) path: a URL (``s3://``, ``gs://``...) as itself, a relative path under
+    ``image_root`` (a folder or a URL prefix). An image given inline (an HF struct with bytes) is kept as its
+    bytes."""
     if isinstance(path, dict):
         if isinstance(path.get("bytes"), bytes):
             if what != "image":
@@ -693,15 +739,13 @@ def _local_image(path: Any, image_root: Path, what: str = "image") -> Path | Inl
                                  f"files: store the {what} files and give their paths")
             return InlineMedia(path["bytes"], path.get("path"))
         path = path["path"]
-    if path.startswith("file://"):
-        path = path[len("file://"):]
-    elif _URL.match(path):
-        raise ValueError(f"{what} {path!r:.80} is a URL; dhp reads local {what} files only: download the {what}s "
-                         "and give their paths (relative to data.image_root)")
-    elif path.startswith("data:"):
+    if path.startswith("data:"):
         raise ValueError(f"an inline (data: URI) {what}; dhp reads {what} files only: save it as a file and give "
                          "its path")
-    return image_root / Path(path).expanduser()
+    try:
+        return media_ref(path, image_root)
+    except ValueError as e:
+        raise ValueError(f"{what} {e}") from None
 
 
 def _from_llava(turns: Any) -> list[dict[str, str]]:

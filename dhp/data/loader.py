@@ -9,6 +9,10 @@ decodes them meanwhile; the language model's workers read their next round's
 samples (no pixels) the same way. Each sample is decoded once per replica rank, and
 handed out once (``take``): a sample of a later step is loaded again.
 
+Media in an object store (``data.image_root=s3://...``, a URL in a record) are fetched here too: the data set's
+``get`` opens each through fsspec (``dhp.storage.open_media``, one request bounded by ``data.media_timeout_s``), so
+the background threads download a round's media while the current round computes; nothing is copied to disk.
+
 Errors keep their names: a broken file raises the data set's own error (file,
 sample, fix) from the pool, and ``take`` re-raises it in the worker's thread,
 in the forward that needed the sample; a load never waits forever (``timeout_s``).

@@ -1,7 +1,8 @@
 """Video files for any family's processor: the container header, frame decoding (PyAV), frame lists, writing.
 
 A clip is a video file (mp4, webm, avi...) or a list of frame images (already
-sampled). What a family makes of it (which frames it samples, their size, its
+sampled); each a path, or an open file object (fetched from an object store by
+``dhp.storage.open_media``). What a family makes of it (which frames it samples, their size, its
 patches) is the family's processor's; this module gives it what every such rule
 needs: the header facts without decoding (``read_header``, ``frame_list_size``)
 and the chosen frames as uint8 (``decode_frames``). ``write_clip`` writes test and
@@ -11,6 +12,7 @@ demo clips.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,12 +40,17 @@ def frame_list_size(frames: list[Path]) -> tuple[int, int]:
         return img.size
 
 
-def read_header(path: Path) -> tuple[int, float, int, int]:
+def _container(source: Any) -> Any:
+    """What PyAV opens: a path as text, an open file object (a clip fetched from an object store) as it is."""
+    return source if hasattr(source, "read") else str(source)
+
+
+def read_header(path: Path | Any) -> tuple[int, float, int, int]:
     """(frames, fps, width, height) from the container; counts packets (no decoding) if the header has no count."""
     import av
 
     try:
-        with av.open(str(path)) as container:
+        with av.open(_container(path)) as container:
             if not container.streams.video:
                 raise VideoError(f"video {path} has no video stream; give a video file (mp4, webm, avi)")
             stream = container.streams.video[0]
@@ -81,7 +88,7 @@ def decode_frames(source: Path | list[Path], indices: tuple[int, ...]) -> torch.
     wanted = set(indices)
     frames = []
     try:
-        with av.open(str(source)) as container:
+        with av.open(_container(source)) as container:
             for i, frame in enumerate(container.decode(video=0)):
                 if i > indices[-1]:
                     break

@@ -172,14 +172,61 @@ class Module:
         return None
 
 
+EMBEDS = "embeds"  # the one output of a one-output encoder: the embeddings placed at the placeholder tokens
+
+
+@dataclass(frozen=True)
+class Input:
+    """One named encoder output the language model consumes, and where it goes.
+
+    ``after_layer=None``: at the placeholder tokens' embeddings, before the first layer (the main embeddings,
+    the first of ``LanguageModel.inputs``, take their place); ``after_layer=i``: added at the same placeholder
+    positions to the residual stream after decoder layer ``i`` (Qwen3-VL's DeepStack features). Generic code
+    only moves the named tensors and checks the names; the language module itself does the placing."""
+
+    name: str
+    after_layer: int | None = None
+
+
+Named = dict[str, torch.Tensor]  # one sample's (or one piece's) encoder outputs by name, every one [n, D_name]
+
+
 class Encoder(Module):
     """An encoder: turns a sample's media into embeddings at the language model's placeholder tokens.
 
     It fills one or several placeholder ids (Qwen's vision: images and videos). Its embeddings of a sample come
     in that order: all of the first id's, then the next id's.
+
+    It may emit several named outputs per placeholder token (``outputs``: the main embeddings and, for
+    Qwen3-VL, the DeepStack features), each of its own width and dtype; the router moves each by name and brings
+    the gradient of each back by name. The rule for the common case: an encoder that declares one output
+    returns a plain tensor from ``encode`` (``named_outputs`` names it).
     """
 
     modalities: tuple[str, ...] = ()  # the media kinds of a sample it reads ("image", "video", "audio")
+
+    def outputs(self, model_cfg: Any) -> tuple[str, ...]:
+        """The names of what ``encode`` emits per placeholder token, in the order the router sends them (the
+        first is the main embeddings). Default: one output, ``"embeds"``."""
+        return (EMBEDS,)
+
+    def named_outputs(self, out: torch.Tensor | dict[str, torch.Tensor], model_cfg: Any) -> Named:
+        """``encode``'s output as ``{name: tensor}`` in ``outputs`` order: a plain tensor is the one output of a
+        one-output encoder; a mapping must hold exactly the declared names, every tensor of the same rows."""
+        names = self.outputs(model_cfg)
+        if isinstance(out, torch.Tensor):
+            if len(names) != 1:
+                raise ValueError(f"encoder {self.name!r} declares outputs {list(names)} but its encode() returned "
+                                 "one tensor: return a mapping name -> tensor")
+            return {names[0]: out}
+        if set(out) != set(names):
+            raise ValueError(f"encoder {self.name!r} declares outputs {list(names)} but its encode() returned "
+                             f"{sorted(out)}")
+        rows = {n: out[n].shape[0] for n in names}
+        if len(set(rows.values())) > 1:
+            raise ValueError(f"encoder {self.name!r}: its outputs must have one row per placeholder token each, "
+                             f"got rows {rows}")
+        return {n: out[n] for n in names}
 
     def placeholder_ids(self, model_cfg: Any) -> tuple[int, ...]:
         """The placeholder token ids this encoder fills, in the order of its embeddings."""
@@ -199,20 +246,49 @@ class Encoder(Module):
         return self.num_placeholders(info, model_cfg)
 
     def encode(self, module: nn.Module, samples: list, par: Any,
-               device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+               device: torch.device | str) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
         """-> (embeds [n_local, D], index [n_local]): embeddings of the placeholder tokens this rank computed,
         and for each its position among the placeholder tokens of the batch (the samples' placeholder tokens
         concatenated in sample order). Without sequence parallelism a rank computes all of them, in order.
-        ``index`` is host metadata (a CPU tensor): the engine cuts it per sample without reading the device."""
+        ``index`` is host metadata (a CPU tensor): the engine cuts it per sample without reading the device.
+        An encoder of several ``outputs`` returns ``{name: [n_local, D_name]}`` in place of ``embeds``."""
         raise NotImplementedError(f"encoder {self.name!r} defines no encode()")
 
 
 class LanguageModel(Module):
     """The language model: ``module.loss_sum(input_ids, position_ids, targets, media, cu_seqlens, meta=None)``
     with ``media = {placeholder token id: embeddings [n, D] in order}`` returns the summed next-token loss;
-    ``meta`` is the batch's host metadata (``dhp.data.batch.PackedMeta``), which the engine always passes."""
+    ``meta`` is the batch's host metadata (``dhp.data.batch.PackedMeta``), which the engine always passes.
+
+    A language model that consumes several named encoder outputs (``inputs``) gets, per placeholder id, a
+    mapping ``{name: [n, D_name]}`` in place of the tensor (``handover``)."""
 
     forward_methods = ("loss_sum",)
+
+    def inputs(self, model_cfg: Any) -> tuple[Input, ...]:
+        """The named encoder outputs the module consumes and where each goes. Default: the main embeddings at
+        the placeholder tokens only."""
+        return (Input(EMBEDS),)
+
+    def handover(self, named: Named, model_cfg: Any) -> torch.Tensor | Named:
+        """One placeholder id's encoder outputs as ``loss_sum``'s ``media`` takes them: the tensor itself where the
+        module consumes one input, else the mapping (the engine and the planner hand media over through this)."""
+        if len(self.inputs(model_cfg)) == 1:
+            return next(iter(named.values()))
+        return named
+
+    def check_outputs(self, encoders: tuple[Encoder, ...], model_cfg: Any) -> None:
+        """Refuse a family whose encoders emit an output this module does not consume (the router would move bytes
+        nobody reads), or whose encoders lack the main input; the message names both sides."""
+        inputs = self.inputs(model_cfg)
+        consumed = {i.name for i in inputs}
+        for enc in encoders:
+            names = enc.outputs(model_cfg)
+            extra = [n for n in names if n not in consumed]
+            if extra or names[:1] != (inputs[0].name,):
+                raise ValueError(f"encoder {enc.name!r} emits {list(names)} but the {self.name} module consumes "
+                                 f"{[i.name for i in inputs]} (the main embeddings first): declare matching "
+                                 "Encoder.outputs and LanguageModel.inputs")
 
 
 class Family:

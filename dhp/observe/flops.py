@@ -38,15 +38,17 @@ import torch.nn.functional as F
 # ---- counting on the meta device ------------------------------------------------------------------
 
 
-def count_forward_backward(forward: Callable[[], torch.Tensor]) -> tuple[float, float]:
-    """(forward, backward) FLOPs of ``forward()`` and of backpropagating its (scalar or summed) result,
-    as ``FlopCounterMode`` counts them. Run it on meta tensors: shapes only, no memory, no compute."""
+def count_forward_backward(forward: Callable[[], torch.Tensor | dict[str, torch.Tensor]]) -> tuple[float, float]:
+    """(forward, backward) FLOPs of ``forward()`` and of backpropagating its (scalar or summed) result, or the
+    sum of its named results (a mapping of tensors), as ``FlopCounterMode`` counts them. Run it on meta
+    tensors: shapes only, no memory, no compute."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as fc:
         out = forward()
     fwd = float(fc.get_total_flops())
-    loss = out if out.dim() == 0 else out.float().sum()
+    parts = out.values() if isinstance(out, dict) else (out,)  # a module of named outputs: every one of them
+    loss = sum(p if p.dim() == 0 else p.float().sum() for p in parts)
     with FlopCounterMode(display=False) as fc:
         loss.backward()
     return fwd, float(fc.get_total_flops())

@@ -243,15 +243,18 @@ def init_adapters(params: dict[str, nn.Parameter], seed: int) -> None:
 def load_adapters(params: dict[str, nn.Parameter], state: dict[str, torch.Tensor], transforms: dict) -> None:
     """This rank's part of every adapter from full tensors ``state`` (module-local names, canonical layout;
     ``transforms``: the layout's non-canonical parameters, a fused base's B under TP)."""
+    from dhp.parallel.materialize import canonical_shape
+
     missing = sorted(set(params) - set(state))
     if missing:
         raise KeyError(f"LoRA adapters missing from the given state: {missing[:5]}")
     with torch.no_grad():
         for name, p in params.items():
             full = state[name].float()
-            if tuple(full.shape) != tuple(p.shape):
+            want = canonical_shape(transforms[name], p.shape) if name in transforms else tuple(p.shape)
+            if tuple(full.shape) != want:
                 raise ValueError(f"LoRA adapter {name}: shape {list(full.shape)} where the module has "
-                                 f"{list(p.shape)} (another lora.r or target_modules?)")
+                                 f"{list(want)} (another lora.r or target_modules?)")
             if name in transforms:
                 full = transforms[name].from_canonical(full)
             _local(p).copy_(local_part(full, p))

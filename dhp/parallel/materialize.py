@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -53,6 +53,7 @@ __all__ = [
     "CHUNK_ELEMS",
     "DictSource",
     "SafetensorsSource",
+    "canonical_shape",
     "fused_shape",
     "init_by_name",
     "load_by_name",
@@ -220,6 +221,12 @@ def _chunk(name: str, seed: int, shape: tuple[int, ...], how: Init, c: int, rows
     return block
 
 
+def canonical_shape(transform: Any, shape: Sequence[int]) -> tuple[int, ...]:
+    """The canonical (checkpoint, HF) shape of a global tensor of ``shape`` in a layout whose ``transform`` is not
+    canonical: the same shape, or a smaller one where the layout pads (an uneven fused gate/up under TP)."""
+    return tuple(transform.to_canonical(torch.empty(tuple(shape), device="meta")).shape)
+
+
 def generate_full(name: str, shape: tuple[int, ...], seed: int, how: Init,
                   chunk_elems: int = CHUNK_ELEMS) -> torch.Tensor:
     """The whole parameter, as every rank's slices of it assemble (float32): the reference's values."""
@@ -273,7 +280,8 @@ def init_by_name(module: nn.Module, seed: int, rule: Rule, *,
             how = rule(name, p)
             _check_rule(name, how)
             if name in transforms:
-                full = transforms[name].from_canonical(generate_full(name, tuple(p.shape), seed, how, chunk_elems))
+                whole = generate_full(name, canonical_shape(transforms[name], p.shape), seed, how, chunk_elems)
+                full = transforms[name].from_canonical(whole)
                 _local(p).copy_(_select(full, local_index(p)))
             else:
                 _init_local(name, p, seed, how, chunk_elems)
@@ -455,7 +463,7 @@ def load_by_name(module: nn.Module, source: TensorSource, *,
                 raise CheckpointError(f"tensor {', '.join(missing)} (parameter {name} of the {what}{fused}) "
                                       f"is not in {source.where()}")
             used.update(part for k in keys for part in k if source.has(part))
-            want = tuple(p.shape)
+            want = canonical_shape(transforms[name], p.shape) if name in transforms else tuple(p.shape)
             got = fused_shape(source, key)
             if got != want:
                 raise CheckpointError(f"tensor {_label(key)} in {source.where(key[0])} has shape {list(got)}, but "

@@ -6,10 +6,13 @@ What it measures, each the median of a few timed repetitions after a warm-up:
 * attention (``scaled_dot_product_attention``, forward and backward) at several key lengths and head widths,
   as FLOP/s of torch's own FLOP formulas (the tally prices attention by the same formulas);
 * elementwise bandwidth (an in-place add and a copy of a large tensor: bytes read and written per second);
-* the host's cost of one op (a tiny add, dispatched many times) and of one host sync (``.item()``);
+* the host's cost of one op (a tiny add, dispatched many times) and of one host sync (``.item()``), and what
+  DTensor's dispatch adds to an op (on CPU, in the collectives' processes; on one GPU it is left at 0);
 * collectives (all-reduce, all-gather, reduce-scatter, all-to-all) and a point-to-point send at several
   payloads, in a few local processes over gloo (CPU), fitted as ``alpha + bytes / beta`` per kind and group
-  size by least squares (``profile.fit_alpha_beta``).
+  size by least squares (``profile.fit_alpha_beta``), each size's median time;
+* the runtime: Ray's round trip of one actor call and a tensor handed from actor to actor through the object
+  store (``measure_runtime``; ``runtime=False`` leaves them out, and the replay then prices no call overhead).
 
 On CPU the host does the work itself (``async_launch`` false). On a CUDA device the compute rows run there;
 collectives need as many GPUs as ranks (NCCL), so with one GPU they are left to the device table's link
@@ -169,14 +172,40 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], out: 
             def p2p(x: torch.Tensor = x) -> None:
                 (dist.send(x, 1) if rank == 0 else dist.recv(x, 0))
             points["send"].append((4 * n, _timed_collective(p2p)))
+    dtensor = _dtensor_op_s(world)
     if rank == 0:
-        Path(out).write_text(json.dumps(points))
+        Path(out).write_text(json.dumps({**points, "dtensor_op_s": dtensor}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _timed_collective(fn: Callable[[], Any], reps: int = 5) -> float:
-    """The least over ``reps`` of the slowest rank's time of one call (each started after a barrier)."""
+def _dtensor_op_s(world: int, loops: int = 300) -> float:
+    """Seconds DTensor's dispatch adds to one op, beyond the local op: the mean over an elementwise op, a
+    scalar op, a view, a transpose and a matmul by a replicated weight (no communication) on a row-sharded
+    DTensor, each less the same op on the local shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = distribute_tensor(torch.ones(8 * world, 16), mesh, [Shard(0)])
+    w = distribute_tensor(torch.ones(16, 16), mesh, [Replicate()])
+    lx, lw = x.to_local(), w.to_local()
+    pairs = [(lambda: x + x, lambda: lx + lx), (lambda: x * 2.0, lambda: lx * 2.0),
+             (lambda: x.view(-1, 8), lambda: lx.view(-1, 8)), (lambda: x.t(), lambda: lx.t()),
+             (lambda: x @ w, lambda: lx @ lw)]
+    extra = []
+    for dt, local in pairs:
+        def many(fn: Callable[[], Any]) -> Callable[[], None]:
+            return lambda: [fn() for _ in range(loops)]
+
+        extra.append(max(0.0, (timed(many(dt)) - timed(many(local))) / loops))
+    return statistics.mean(extra)
+
+
+def _timed_collective(fn: Callable[[], Any], reps: int = 9) -> float:
+    """The median over ``reps`` of the slowest rank's time of one call (each started after a barrier). The
+    median, not the least: a collective waits for every rank's process to be scheduled, which a run pays at
+    every call (on a CPU host shared by its ranks, the least time is one that a training step rarely sees)."""
     import torch.distributed as dist
 
     fn()
@@ -188,7 +217,7 @@ def _timed_collective(fn: Callable[[], Any], reps: int = 5) -> float:
         t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out.append(float(t))
-    return min(out)
+    return statistics.median(out)
 
 
 def _free_port() -> int:
@@ -197,12 +226,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure_collectives(ranks: tuple[int, ...], sizes: list[int]) -> tuple[list[CollectiveFit], CollectiveFit | None]:
-    """Fits per kind and group size over gloo, in ``ranks`` local processes each; the send fit from 2 ranks."""
+def measure_collectives(ranks: tuple[int, ...],
+                        sizes: list[int]) -> tuple[list[CollectiveFit], CollectiveFit | None, float]:
+    """Fits per kind and group size over gloo, in ``ranks`` local processes each; the send fit from 2 ranks;
+    DTensor's dispatch cost per op (``_dtensor_op_s``, in the first group's processes)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    fits, router = [], None
+    fits, router, dtensor_s = [], None, 0.0
     for world in ranks:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "points.json")
@@ -221,6 +252,7 @@ def measure_collectives(ranks: tuple[int, ...], sizes: list[int]) -> tuple[list[
                 raise RuntimeError(f"dhp plan calibrate: the {world}-process gloo collective run failed (exit "
                                    f"codes {[p.exitcode for p in procs]})")
             points = json.loads(Path(out).read_text())
+        dtensor = float(points.pop("dtensor_op_s"))
         for kind, pts in points.items():
             if not pts:
                 continue
@@ -229,7 +261,59 @@ def measure_collectives(ranks: tuple[int, ...], sizes: list[int]) -> tuple[list[
                 router = fit
             else:
                 fits.append(fit)
-    return fits, router
+        dtensor_s = dtensor_s or dtensor
+    return fits, router, dtensor_s
+
+
+def runtime_sizes(quick: bool) -> list[int]:
+    return [2**12, 2**18, 2**22] if quick else [2**12, 2**16, 2**20, 2**22, 2**24]
+
+
+def measure_runtime(sizes: list[int], reps: int = 15) -> tuple[float, CollectiveFit]:
+    """(an actor call's round trip, the object store's ``alpha + bytes / beta``) of Ray on this machine: two
+    actors of a fresh local Ray (``dhp.runtime.cluster.init_local_ray``); a no-op call's median round trip from
+    the driver, and a tensor one actor returns handed to the other by reference (the ``ray`` data plane's
+    transfer: put on return, fetched as the argument), less two round trips."""
+    import ray
+
+    from dhp.runtime.cluster import init_local_ray
+
+    started = not ray.is_initialized()
+    if started:
+        init_local_ray(num_cpus=2, log_to_driver=False)
+    try:
+        @ray.remote(num_cpus=0.5)
+        class _Echo:
+            def noop(self) -> None:
+                return None
+
+            def make(self, nbytes: int) -> torch.Tensor:
+                return torch.ones(max(1, nbytes // FLOAT32_BYTES))
+
+            def take(self, t: torch.Tensor) -> int:
+                return int(t.numel())
+
+        a, b = _Echo.remote(), _Echo.remote()
+        ray.get([a.noop.remote(), b.noop.remote()])
+
+        def median(fn: Callable[[], Any]) -> float:
+            fn()
+            out = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+            return statistics.median(out)
+
+        call = median(lambda: ray.get(a.noop.remote()))
+        points = [(float(n), max(1e-7, median(lambda n=n: ray.get(b.take.remote(a.make.remote(n)))) - 2 * call))
+                  for n in sizes]
+        for actor in (a, b):
+            ray.kill(actor)
+    finally:
+        if started:
+            ray.shutdown()
+    return call, CollectiveFit("object_store", 2, *noisy_fit(points))
 
 
 def noisy_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -251,20 +335,21 @@ def machine(device: str) -> str:
 
 
 def calibrate(device: str | None = None, quick: bool = False, extra_gemms: list[tuple[int, int, int]] = (),
-              log: Callable[[str], None] = lambda s: None, threads: int | None = None) -> Profile:
+              log: Callable[[str], None] = lambda s: None, threads: int | None = None, runtime: bool = True) -> Profile:
     """A measured profile of this machine's ``device`` (default: cuda when there is one, else cpu); ``threads``:
-    torch's CPU threads while measuring (a CPU rank's: ``dhp train``'s Ray workers run one thread each)."""
+    torch's CPU threads while measuring (a CPU rank's: ``dhp train``'s Ray workers run one thread each);
+    ``runtime``: also Ray's actor round trip and object store (``measure_runtime``; a local Ray is started)."""
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _calibrate(device, quick, extra_gemms, log)
+        return _calibrate(device, quick, extra_gemms, log, runtime)
     finally:
         torch.set_num_threads(before)
 
 
 def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int, int]],
-               log: Callable[[str], None]) -> Profile:
+               log: Callable[[str], None], runtime: bool = True) -> Profile:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("dhp plan calibrate --on cuda: this machine has no CUDA device; use --on cpu")
@@ -282,22 +367,28 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
     per_op, per_sync = measure_host(device)
     base = roofline_for(device)
     fits: list[CollectiveFit] = []
-    router = None
+    router, dtensor_s = None, 0.0
     note = ""
     if device == "cpu":
-        say("collectives (gloo, local processes)")
-        fits, router = measure_collectives((2,) if quick else (2, 4), collective_sizes(quick))
+        say("collectives and DTensor's dispatch (gloo, local processes)")
+        fits, router, dtensor_s = measure_collectives((2,) if quick else (2, 4), collective_sizes(quick))
     else:
         note = "; collectives: the device table's link (one GPU here)"
+    call_s, store = 0.0, None
+    if runtime:
+        say("Ray: an actor call's round trip, the object store")
+        call_s, store = measure_runtime(runtime_sizes(quick))
     say("done")
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return Profile(name=name, source=CALIBRATED, device_type=device, machine=machine(device) + note,
                    created=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                    peak_flops=max(p.flops_per_s for p in gemm), hbm_bytes_per_s=hbm,
                    link_bytes_per_s=base.link_bytes_per_s if base else hbm, cpu_op_s=per_op, sync_s=per_sync,
+                   dtensor_op_s=dtensor_s,
                    async_launch=device == "cuda", gemm=gemm, attention=attention, collectives=fits, router=router,
                    cores=(os.cpu_count() or 1) if device == "cpu" else 0,
-                   threads=torch.get_num_threads() if device == "cpu" else 0)
+                   threads=torch.get_num_threads() if device == "cpu" else 0, actor_call_s=call_s,
+                   object_store=store)
 
 
 def roofline_for(device: str) -> Profile | None:

@@ -4,12 +4,13 @@ Per micro-batch of a rank:
 
 * each region between host syncs costs its device work (matmuls by shape from the profile's GEMM table,
   attention by kernel and shape, every other data-moving op's bytes over HBM) and its host work (ops x
-  ``cpu_op_s`` + a sync): ``max(host, device)`` where the host runs ahead of the device (CUDA), their sum
-  where it does the work itself (CPU);
+  ``cpu_op_s`` + DTensor dispatches x ``dtensor_op_s`` + a sync): ``max(host, device)`` where the host runs
+  ahead of the device (CUDA), their sum where it does the work itself (CPU);
 * its collectives, ``alpha + bytes / beta`` per kind over the group they run in (TP/SP ranks; FSDP2's
   all-gathers and reduce-scatters over the data-parallel ranks): exposed, except FSDP2's, which its prefetch
   overlaps with the compute on a device with streams (``async_launch``): hidden up to the compute's length;
-* the router's transfer of the embeddings and their gradients (two transfers).
+* the router's transfer of the embeddings and their gradients (two transfers: point-to-point, or through Ray's
+  object store for the ``ray`` data plane).
 
 Per step: the replica's micro-batches, the gradient reduction's collectives (over dp, x sp for SP; the
 engine runs it after the backward: exposed) and the ops of ``finish_gradients`` and the optimizer step
@@ -39,6 +40,8 @@ class GroupCost:
     comm_hidden_mb: float = 0.0
     router_mb: float = 0.0
     micro_batch_s: float = 0.0  # compute + exposed collectives + router
+    forward_mb: float = 0.0  # the forward's part of ``micro_batch_s`` less the router (an encoder's own call)
+    backward_mb: float = 0.0  # the backward's part (the rest)
     reduce_s: float = 0.0  # the gradient reduction's collectives, once per step
     optimizer_s: float = 0.0  # finish_gradients' and the optimizer's ops, once per step
     step_s: float = 0.0
@@ -75,7 +78,8 @@ def regions_s(regions: list[dict[str, float]], p: Profile) -> tuple[float, float
     total = dev = host = 0.0
     for i, r in enumerate(regions):
         d = region_device_s(r, p)
-        h = r.get("ops", 0) * p.cpu_op_s + (p.sync_s if i < len(regions) - 1 else 0.0)
+        h = (r.get("ops", 0) * p.cpu_op_s + r.get("dtensor_ops", 0) * p.dtensor_op_s
+             + (p.sync_s if i < len(regions) - 1 else 0.0))
         dev, host = dev + d, host + h
         total += max(d, h) if p.async_launch else d + h
     return total, dev, host
@@ -85,18 +89,35 @@ def collectives_s(comm: dict[str, int], calls: dict[str, int], ranks: int, p: Pr
     return sum(p.collective_s(kind, ranks, b, calls.get(kind, 1)) for kind, b in comm.items())
 
 
-def group_cost(job: Any, r: Any, p: Profile, samples: int, router: Profile | None = None) -> GroupCost:
+def _phase(regions: list[dict[str, float]], comm: dict[str, int], calls: dict[str, int], job: Any,
+           p: Profile) -> tuple[float, float, float, float, float]:
+    """(compute, device, host, exposed collectives, hidden collectives) seconds of one phase of a micro-batch."""
+    compute, device, host = regions_s(regions, p)
+    comm = dict(comm)
+    fsdp = {k: comm.pop(k) for k in _FSDP if k in comm} if job.zero == 3 else {}
+    fsdp_s = collectives_s(fsdp, calls, job.dp, p)
+    hidden = min(fsdp_s, compute) if p.async_launch else 0.0
+    return compute, device, host, fsdp_s - hidden + collectives_s(comm, calls, job.inner, p), hidden
+
+
+def _less(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: v - b.get(k, 0) for k, v in a.items() if v - b.get(k, 0) > 0}
+
+
+def group_cost(job: Any, r: Any, p: Profile, samples: int, router: Profile | None = None,
+               data_plane: str = "p2p") -> GroupCost:
     """The cost of ``job``'s rank (``GroupResult`` ``r``) per step of ``samples`` samples over the whole run,
     on device profile ``p`` (``router``: the profile whose router fit prices the transfer between groups,
-    default ``p``)."""
+    default ``p``). The micro-batch is priced as its forward and its backward apart (the fake run cuts its
+    tally there): an encoder runs them as two calls of the runtime's schedule (``dhp.plan.schedule``)."""
     c = GroupCost(micro_batches=math.ceil(samples / job.dp / job.micro_batch_size))
-    c.compute_mb, c.device_mb, c.host_mb = regions_s(r.ops, p)
-    comm = dict(r.comm)
-    fsdp = {k: comm.pop(k) for k in _FSDP if k in comm} if job.zero == 3 else {}
-    fsdp_s = collectives_s(fsdp, r.comm_calls, job.dp, p)
-    c.comm_hidden_mb = min(fsdp_s, c.compute_mb) if p.async_launch else 0.0
-    c.comm_exposed_mb = fsdp_s - c.comm_hidden_mb + collectives_s(comm, r.comm_calls, job.inner, p)
-    c.router_mb = (router or p).router_s(r.router, 2.0) if r.router else 0.0
+    cut = r.forward_regions
+    fwd = _phase(r.ops[:cut], r.forward_comm, r.forward_comm_calls, job, p)
+    bwd = _phase(r.ops[cut:], _less(r.comm, r.forward_comm), _less(r.comm_calls, r.forward_comm_calls), job, p)
+    c.compute_mb, c.device_mb, c.host_mb, c.comm_exposed_mb, c.comm_hidden_mb = (
+        f + b for f, b in zip(fwd, bwd, strict=True))
+    c.forward_mb, c.backward_mb = fwd[0] + fwd[3], bwd[0] + bwd[3]
+    c.router_mb = (router or p).router_s(r.router, 2.0, data_plane) if r.router else 0.0
     c.micro_batch_s = c.compute_mb + c.comm_exposed_mb + c.router_mb
     reduce_n = job.dp * (job.inner if job.inner_kind == "sp" else 1)
     c.reduce_s = collectives_s(r.step_comm, r.step_comm_calls, reduce_n, p)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dhp.plan.ops import OpTally, extrapolate_regions
+from dhp.plan.ops import OpTally, extrapolate_phases, extrapolate_regions
 
 GiB = 1024**3
 
@@ -96,6 +96,9 @@ class GroupResult:
     comm_calls: dict[str, int] = field(default_factory=dict)  # collective calls per kind, one micro-batch
     step_comm_calls: dict[str, int] = field(default_factory=dict)  # ... once per step
     ops: list[dict[str, float]] = field(default_factory=list)  # ``ops.OpTally`` regions of one micro-batch
+    forward_regions: int = 0  # how many of ``ops`` are the forward's (the rest: the backward)
+    forward_comm: dict[str, int] = field(default_factory=dict)  # ``comm``'s payload bytes of the forward alone
+    forward_comm_calls: dict[str, int] = field(default_factory=dict)  # ``comm_calls`` of the forward alone
     step_ops: list[dict[str, float]] = field(default_factory=list)  # ... of the gradient reduction and step
     breakdown: dict[str, int] = field(default_factory=dict)  # the tracker's peak snapshot
 
@@ -187,21 +190,23 @@ def without_media(sample: Any) -> Any:
 
 @dataclass(frozen=True)
 class MediaInput:
-    """What the router delivers to the language model for one placeholder id: rows, width, payload dtype."""
+    """What the router delivers to the language model for one placeholder id and one named encoder output
+    (``Encoder.outputs``): rows, width, payload dtype."""
 
     token_id: int
     rows: int
     width: int
     dtype: torch.dtype  # what crosses the router (the encoder's compute dtype); the language model takes float32
+    name: str = "embeds"  # the encoder output it is
 
 
-_OUTPUT_WIDTH: dict[tuple, int] = {}
+_OUTPUT_WIDTH: dict[tuple, tuple[tuple[str, int], ...]] = {}
 
 
-def encoder_width(family: Any, name: str, model_cfg: Any, tokens: int) -> int:
-    """The width of the encoder's embeddings, from the shape of its ``encode`` output on a synthetic sample (a
-    shape-only run of the shallowest depth variant, on one process): the language model's input width as the
-    family makes it, no config field read."""
+def encoder_widths(family: Any, name: str, model_cfg: Any, tokens: int) -> tuple[tuple[str, int], ...]:
+    """(name, width) of each of the encoder's named outputs, from the shapes of its ``encode`` output on a
+    synthetic sample (a shape-only run of the shallowest depth variant, on one process): the language model's
+    inputs as the family makes them, no config field read."""
     from dhp.parallel.layout import Parallel
 
     key = (id(family), name, repr(model_cfg), tokens)
@@ -214,13 +219,13 @@ def encoder_width(family: Any, name: str, model_cfg: Any, tokens: int) -> int:
             module = enc.build(cfg)
             enc.reset_buffers(module)
             out, _ = enc.encode(module, [sample], Parallel(_config(GroupJob(name)).module(name).parallel), "cpu")
-        _OUTPUT_WIDTH[key] = int(out.shape[-1])
+        _OUTPUT_WIDTH[key] = tuple((n, int(t.shape[-1])) for n, t in enc.named_outputs(out, cfg).items())
     return _OUTPUT_WIDTH[key]
 
 
 def media_inputs(job: GroupJob, model_cfg: Any, family: Any, samples: list, payload: torch.dtype) -> list[MediaInput]:
-    """Per placeholder id of every encoder, the rows the micro-batch's samples hold (``placeholder_counts``) and
-    the encoder's width: the language model's media, as the router delivers them."""
+    """Per placeholder id of every encoder and per named output of it, the rows the micro-batch's samples hold
+    (``placeholder_counts``) and the output's width: the language model's media, as the router delivers them."""
     out = []
     media = dict(job.media)
     for enc in family.encoders:
@@ -230,11 +235,11 @@ def media_inputs(job: GroupJob, model_cfg: Any, family: Any, samples: list, payl
         if enc.name not in media:
             raise ValueError(f"the {job.module} job's samples hold {enc.name} placeholders but its media "
                              f"{media} has no {enc.name} entry")
-        width = encoder_width(family, enc.name, model_cfg, media[enc.name])
+        widths = encoder_widths(family, enc.name, model_cfg, media[enc.name])
         for k, tid in enumerate(enc.placeholder_ids(model_cfg)):
             rows = sum(c[k] for c in counts)
             if rows:
-                out.append(MediaInput(int(tid), rows, width, payload))
+                out += [MediaInput(int(tid), rows, width, payload, output) for output, width in widths]
     return out
 
 
@@ -493,8 +498,12 @@ def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True
                 stack.enter_context(_untracked_sharding_propagation())
                 stack.enter_context(tracker)
                 if not static:
+                    def at_backward() -> None:  # the forward's share of the tally and of the collectives
+                        res.forward_regions = tally.cut()
+                        res.forward_comm, res.forward_comm_calls = dict(comm.bytes), dict(comm.calls)
+
                     with flops, comm, tally:
-                        after_fwd, before, res.router = _micro_batch(eng, inputs, tracker)
+                        after_fwd, before, res.router = _micro_batch(eng, inputs, tracker, at_backward)
                     res.retained = max(0, after_fwd - before)
                 res.grads = _local_bytes([p.grad for p in eng.trainable]) if not static else 0
                 fb = _device_snapshot(tracker.get_tracker_snapshot("peak"))
@@ -686,15 +695,16 @@ def _current_total(tracker: Any) -> int:
     return _device_snapshot(tracker.get_tracker_snapshot("current")).get("Total", 0)
 
 
-def _encoder_forward(eng: Any, inputs: _Inputs) -> tuple[torch.Tensor, int]:
+def _encoder_forward(eng: Any, inputs: _Inputs) -> tuple[list[torch.Tensor], int]:
     """The encoder's forward on the micro-batch's samples, their media made here (counted, as a rank's loaded
     samples are) -> (its embeddings as float32, as the language model takes them; router bytes: the embeddings
     out and their gradients back, in the dtype the encoder computes them in, this rank's rows)."""
     samples = [materialized(s) for s in inputs.samples]
     with eng.autocast():
-        embeds, _ = eng.definition.encode(eng.module, samples, eng.par, eng.device)
-        router = 2 * embeds.numel() * embeds.element_size()
-        embeds = embeds.float()
+        out, _ = eng.definition.encode(eng.module, samples, eng.par, eng.device)
+        named = eng.definition.named_outputs(out, eng.model_cfg)  # every named output crosses the router
+        router = sum(2 * t.numel() * t.element_size() for t in named.values())
+        embeds = [t.float() for t in named.values()]
     del samples  # the engine's forward drops its samples on return: what stays is what the graph saved
     return embeds, router
 
@@ -706,25 +716,31 @@ def _language_loss(eng: Any, inputs: _Inputs) -> tuple[torch.Tensor, int]:
     b = inputs.batch
     with _real():  # host metadata: real tensors, counted where they are made
         ids, pos, targets, cu = (t.clone() for t in (b.input_ids, b.position_ids, b.targets, b.cu_seqlens))
-    media = {m.token_id: torch.zeros(m.rows, m.width, requires_grad=True) for m in inputs.media}
+    named: dict[int, dict[str, torch.Tensor]] = {}
+    for m in inputs.media:
+        named.setdefault(m.token_id, {})[m.name] = torch.zeros(m.rows, m.width, requires_grad=True)
+    media = {tid: eng.definition.handover(parts, eng.model_cfg) for tid, parts in named.items()}
     with eng.autocast():
         loss = eng.module.loss_sum(ids, pos, targets, media, cu)
     return loss, sum(2 * m.rows * m.width * m.dtype.itemsize for m in inputs.media)
 
 
-def _micro_batch(eng: Any, inputs: _Inputs, tracker: Any) -> tuple[int, int, int]:
+def _micro_batch(eng: Any, inputs: _Inputs, tracker: Any, at_backward: Any = None) -> tuple[int, int, int]:
     """One micro-batch through the engine's code: the encoder's forward then backward of its embeddings'
-    gradient, or the language model's ``loss_sum`` and backward. -> (memory after forward, before it, router
-    bytes)."""
+    gradient, or the language model's ``loss_sum`` and backward (``at_backward()`` is called between the two).
+    -> (memory after forward, before it, router bytes)."""
+    at_backward = at_backward or (lambda: None)
     before = _current_total(tracker)
     if inputs.batch is not None:
         loss, router = _language_loss(eng, inputs)
         after = _current_total(tracker)
+        at_backward()
         loss.backward()
         return after, before, router
     embeds, router = _encoder_forward(eng, inputs)
     after = _current_total(tracker)
-    embeds.backward(torch.zeros_like(embeds))
+    at_backward()
+    torch.autograd.backward(embeds, [torch.zeros_like(t) for t in embeds])
     return after, before, router
 
 
@@ -759,9 +775,10 @@ def extrapolate(a: GroupResult, b: GroupResult, t: float) -> GroupResult:
         val = x + t * (y - x)
         setattr(out, name, type(x)(round(val)) if isinstance(x, int) else val)
     out.peak = max(out.peak_fb, out.peak_step)
-    for name in ("ops", "step_ops"):
-        setattr(out, name, extrapolate_regions(getattr(a, name), getattr(b, name), t))
-    for name in ("comm", "comm_sent", "step_comm", "comm_calls", "step_comm_calls", "breakdown"):
+    out.ops, out.forward_regions = extrapolate_phases(a.ops, b.ops, a.forward_regions, b.forward_regions, t)
+    out.step_ops = extrapolate_regions(a.step_ops, b.step_ops, t)
+    for name in ("comm", "comm_sent", "step_comm", "comm_calls", "step_comm_calls", "breakdown", "forward_comm",
+                 "forward_comm_calls"):
         x, y = getattr(a, name), getattr(b, name)
         setattr(out, name, {k: int(round(x.get(k, 0) + t * (y.get(k, 0) - x.get(k, 0)))) for k in {*x, *y}})
     return out
@@ -825,4 +842,4 @@ def _collocated_round(eng: dict[str, Any], inputs: dict[str, _Inputs], language:
     loss.backward()
     del loss
     for embeds in held:
-        embeds.backward(torch.zeros_like(embeds))
+        torch.autograd.backward(embeds, [torch.zeros_like(t) for t in embeds])

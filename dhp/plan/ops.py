@@ -9,7 +9,9 @@ per *region* between host syncs (an op whose output the host must read: ``.item(
 * ``attn|kernel|S|D|dtype``: FLOPs of attention calls by kernel, key length and head width;
 * ``mem_bytes``: bytes read and written by every other op that moves data (elementwise, norms, RoPE, softmax,
   copies, the optimizer's foreach kernels): memory-bound work;
-* ``ops``: ops dispatched (the CPU's launch work; views count, they cost the host, not the device).
+* ``ops``: ops dispatched (the CPU's launch work; views count, they cost the host, not the device);
+* ``dtensor_ops``: ops dispatched on DTensors (TP, FSDP2's parameters): each pays DTensor's Python dispatch
+  (sharding propagation's cache, redistribution, wrapping) on the host before its local ops.
 
 Why a tally and not a trace: a 32B rank dispatches hundreds of thousands of ops, and the planner extends two
 shallow runs along the depth (``measure.extrapolate``); a tally of counts per key is linear in the depth,
@@ -138,6 +140,8 @@ class OpTally(TorchDispatchMode):
         from torch.distributed.tensor import DTensor
 
         if any(issubclass(t, DTensor) for t in types):
+            if not self.skip():
+                self.regions[-1]["dtensor_ops"] += 1  # DTensor's Python dispatch: host work of its own
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -167,6 +171,12 @@ class OpTally(TorchDispatchMode):
             return
         cur["mem_bytes"] += _bytes(args) + _bytes(out)
 
+    def cut(self) -> int:
+        """End the current region without a host sync (a phase boundary the runtime crosses between two calls:
+        an encoder's forward and its backward); -> how many regions lie before the cut."""
+        self.regions.append(Counter())
+        return len(self.regions) - 1
+
     def tally(self) -> list[dict[str, int]]:
         return [dict(r) for r in self.regions]
 
@@ -177,6 +187,14 @@ def merged(regions: list[dict[str, float]]) -> dict[str, float]:
     for r in regions:
         out.update(r)
     return dict(out)
+
+
+def extrapolate_phases(a: list[dict[str, float]], b: list[dict[str, float]], cut_a: int, cut_b: int,
+                       t: float) -> tuple[list[dict[str, float]], int]:
+    """``extrapolate_regions`` of the regions before each run's cut and of those after it, apart (so the
+    forward/backward boundary survives the depth extension) -> (regions, the cut in them)."""
+    before = extrapolate_regions(a[:cut_a], b[:cut_b], t)
+    return before + extrapolate_regions(a[cut_a:], b[cut_b:], t), len(before)
 
 
 def extrapolate_regions(a: list[dict[str, float]], b: list[dict[str, float]], t: float) -> list[dict[str, float]]:

@@ -40,6 +40,7 @@ from dhp.observe.devices import Device
 from dhp.plan.costs import GroupCost, group_cost
 from dhp.plan.measure import GiB, GroupJob, GroupResult, family_of, media_of, sample_tokens
 from dhp.plan.profile import Profile, roofline
+from dhp.plan.schedule import Call, Lane, Replay, driver_script, replay
 
 STRATEGIES = ("dhp-collocated", "dhp-disaggregated", "uniform-tp", "zero3")
 SP_DEGREES = (1, 2, 4, 8, 16)  # Ulysses degrees searched for an encoder
@@ -60,6 +61,9 @@ class Row:
     tokens_per_sample: int = 0  # the language model's sequence per sample (text and placeholders)
     critical_path: str = ""  # the groups whose work the step waits on, in order
     pricing: str = ""  # what priced it: the device profile(s), ``roofline`` or ``calibrated``
+    encoders_ahead: int = 1  # runtime.encoders_ahead (disaggregated placement)
+    encoder_window: int = 0  # runtime.encoder_window (0: auto)
+    replay: Replay | None = field(default=None, repr=False, compare=False)  # the step as replayed (not in JSON)
 
     def overrides(self) -> list[str]:
         """The config keys of the row's layout, every module's (``module.parallel.*``, checkpointing), the placement
@@ -166,7 +170,8 @@ def _zero3(j: _Jobs, gpus: int, strategies: tuple[str, ...]) -> list[Row]:
 
 
 def _uniform_tp(j: _Jobs, gpus: int, strategies: tuple[str, ...]) -> list[Row]:
-    """One TP degree for every module that has TP, dividing what each needs divided (heads, the MLP width...)."""
+    """One TP degree for every module that has TP, the largest every module's ``check_layout`` accepts (heads,
+    key/value heads; an MLP width only where the family cannot shard it unevenly)."""
     if "uniform-tp" not in strategies:
         return []
     with_tp = [m for m in j.family.modules if "tp" in m.inner]
@@ -332,15 +337,61 @@ class Pricing:
             f"; {self.link.name}" if self.link else "")
 
 
-def _schedule(row: Row, costs: dict[str, GroupCost]) -> tuple[float, str]:
-    """(step seconds, critical path) of the placement: collocated groups take turns (the sum; every group is on
-    the path), disaggregated groups overlap (the slowest, plus one micro-batch of the quickest to fill the
-    pipeline)."""
-    if row.placement == "collocated":
-        return sum(c.step_s for c in costs.values()), " -> ".join(costs)
-    slow = max(costs, key=lambda k: costs[k].step_s)
-    fill = min(costs, key=lambda k: costs[k].micro_batch_s)
-    return costs[slow].step_s + costs[fill].micro_batch_s, f"{fill} (1 micro-batch) -> {slow}"
+def _pools(row: Row, pricing: Pricing, gpus: int) -> tuple[dict[str, Lane], dict[str, float]]:
+    """The replay's lanes and pools: a CPU profile's groups share the host's cores (each rank its threads); on
+    GPUs collocated groups share the GPUs, disaggregated ones have their own."""
+    lanes, pools = {}, {}
+    for k, j in row.jobs.items():
+        p = pricing.of(k)
+        if p.device_type == "cpu" and p.cores:
+            lanes[k], pools["host"] = Lane("host", j.ranks * max(1, p.threads)), float(p.cores)
+        elif row.placement == "collocated":
+            lanes[k], pools["gpus"] = Lane("gpus", j.ranks), float(gpus)
+        else:
+            lanes[k], pools[k] = Lane(k, j.ranks), float(j.ranks)
+    return lanes, pools
+
+
+def replay_row(row: Row, costs: dict[str, GroupCost], pricing: Pricing, gpus: int, samples: int,
+               language: str) -> Replay:
+    """The row's step replayed as the runtime runs it (``dhp.plan.schedule``): its batch plan's rounds (each
+    encoder replica's samples per round from the trainer's own ``BatchPlanner`` over ``samples`` samples of
+    equal cost), ``schedule_turns`` with the row's placement, ``runtime.encoders_ahead`` and encoder window,
+    each call priced from the groups' costs."""
+    from dhp.data.sampler import BatchPlanner, encoder_window
+
+    jobs = row.jobs
+    encoders = [k for k in jobs if k != language]
+    mbs = jobs[language].micro_batch_size
+    per_round = mbs * jobs[language].dp
+    n_rounds = max(1, samples // per_round)
+    window = encoder_window(row.encoder_window, row.placement, [jobs[e].dp for e in encoders], per_round,
+                            n_rounds)
+    dp = {k: j.dp for k, j in jobs.items()}
+    plan = BatchPlanner({k: [1.0] * samples for k in jobs}, dp, n_rounds * per_round, mbs, language=language,
+                        encoder_window=window).plan(0)
+    busiest = {(e, j): max(len(p) for p in rnd.replicas(e)) for e in encoders for j, rnd in enumerate(plan.rounds)}
+    ahead = row.encoders_ahead if row.placement == "disaggregated" else 0
+    data_plane = "p2p" if row.placement == "disaggregated" else "ray"
+
+    def work(c: Call) -> float:
+        g = costs[c.group]
+        if c.kind in ("forward", "backward"):
+            n = busiest[(c.group, c.round)] / jobs[c.group].micro_batch_size
+            part = g.forward_mb if c.kind == "forward" else g.backward_mb
+            return n * part + (g.router_mb / 2 if n else 0.0)
+        if c.kind == "forward_backward":
+            return g.micro_batch_s
+        if c.kind == "finish_gradients":
+            return g.reduce_s
+        if c.kind == "step":
+            return g.optimizer_s
+        return 0.0  # emit, emit_grads: the router's transfer is priced in the calls that make and take it
+
+    lanes, pools = _pools(row, pricing, gpus)
+    script = driver_script(len(plan.rounds), encoders, language, plan.window, ahead, data_plane=data_plane)
+    call_s = max(pricing.of(k).actor_call_s for k in jobs)
+    return replay(script, lanes, pools, work, call_s)
 
 
 def evaluate(row: Row, results: dict[GroupJob, GroupResult], dev: Device, gpus: int, limit_gb: float,
@@ -355,8 +406,10 @@ def evaluate(row: Row, results: dict[GroupJob, GroupResult], dev: Device, gpus: 
     language = family.language.name
     samples = samples or gpus * next(iter(row.jobs.values())).micro_batch_size
     res = {k: results[j] for k, j in row.jobs.items()}
-    costs = {k: group_cost(row.jobs[k], res[k], pricing.of(k), samples, pricing.link) for k in row.jobs}
-    step, path = _schedule(row, costs)
+    data_plane = "p2p" if row.placement == "disaggregated" else "ray"
+    costs = {k: group_cost(row.jobs[k], res[k], pricing.of(k), samples, pricing.link, data_plane) for k in row.jobs}
+    rep = replay_row(row, costs, pricing, gpus, samples, language)
+    step, path = rep.step_s, rep.critical_path
     resident = {k: r.weights + r.grads + r.optimizer + (r.retained if k != language else 0) for k, r in res.items()}
     groups = {}
     for k, r in res.items():
@@ -369,7 +422,7 @@ def evaluate(row: Row, results: dict[GroupJob, GroupResult], dev: Device, gpus: 
         groups[k] = {"ranks": row.jobs[k].ranks, "peak_gb": peak / GiB, "weights_gb": r.weights / GiB,
                      "grads_gb": r.grads / GiB, "optimizer_gb": r.optimizer / GiB,
                      "activations_gb": r.activations / GiB, "limit_gb": pricing.limit_gb(k, limit_gb),
-                     **times, "idle_s": max(0.0, step - times["busy_s"])}
+                     **times, "busy_s": rep.busy_s[k], "idle_s": rep.idle_s[k]}
     per_sample = row.tokens_per_sample
     if not per_sample:
         if model_cfg is None:
@@ -378,7 +431,7 @@ def evaluate(row: Row, results: dict[GroupJob, GroupResult], dev: Device, gpus: 
     tokens = samples * per_sample
     return replace(row, groups=groups, fits=all(g["peak_gb"] <= g["limit_gb"] for g in groups.values()),
                    step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, tokens_per_sample=per_sample,
-                   critical_path=path, pricing=pricing.label)
+                   critical_path=path, pricing=pricing.label, replay=rep)
 
 
 def best(rows: list[Row]) -> list[Row]:

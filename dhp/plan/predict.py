@@ -3,12 +3,11 @@
 A config's layout (``planner.config_jobs``) on its own data: the data set's mean sample (per encoder the mean
 of its input tokens over the samples that carry it, placeholders x the family's input tokens per placeholder;
 the mean text besides the placeholders), ``train.micro_batch_size`` of them per micro-batch and
-``train.global_batch_size`` per step, the config's placement, priced on a device profile. A mean sample prices
-the mean of matmul work, not attention's (quadratic in each sample's length): on data of even sizes (the demo's)
-the two agree; on mixed lengths the prediction is low for attention-bound encoders. On a CPU profile the ranks
-that run at once (every group's under disaggregated placement, one group's under collocated) share the host's
-cores: each gets ``cores / (ranks x threads)`` of the profile's rates when that is under one
-(``Profile.shared``), as a CPU bench's Ray workers do.
+``train.global_batch_size`` per step, the config's placement, ``runtime.encoders_ahead`` and encoder window,
+priced on a device profile and replayed as the runtime runs it (``dhp.plan.schedule``: on a CPU profile the
+ranks running at a moment share the host's cores). A mean sample prices the mean of matmul work, not
+attention's (quadratic in each sample's length): on data of even sizes (the demo's) the two agree; on mixed
+lengths the prediction is low for attention-bound encoders.
 """
 
 from __future__ import annotations
@@ -51,7 +50,8 @@ def data_shape(cfg: Any, limit: int = 512) -> tuple[Any, Any, dict[str, int], in
 
 
 def predict_config(cfg: Any, profile: Profile, workers: int = 1) -> dict[str, Any]:
-    """``{"predicted_step_s", "critical_path", "pricing", "groups": {group: breakdown}}`` of one config."""
+    """``{"predicted_step_s", "critical_path", "pricing", "groups": {group: breakdown}, "calls": {group: [[kind,
+    round], ...]}}`` of one config."""
     from dhp.observe.devices import get_device
     from dhp.plan.planner import Pricing, Row, config_jobs, evaluate, measure_all
 
@@ -62,9 +62,11 @@ def predict_config(cfg: Any, profile: Profile, workers: int = 1) -> dict[str, An
     results = measure_all(list(jobs.values()), model_cfg, workers=workers, family=family)
     placement = cfg.runtime.placement if cfg.runtime.placement in ("collocated", "disaggregated") else "collocated"
     gpus = sum(j.ranks for j in jobs.values()) if placement == "disaggregated" else max(j.ranks for j in jobs.values())
-    if profile.device_type == "cpu" and profile.cores:  # every rank's threads on one host's cores at once
-        profile = profile.shared(gpus * max(1, profile.threads) / profile.cores)
-    row = evaluate(Row("config", media, False, jobs, placement=placement), results, get_device("h100"), gpus,
-                   1e9, text, family, model_cfg, pricing=Pricing(profile), samples=cfg.train.global_batch_size)
+    row = Row("config", media, False, jobs, placement=placement, encoders_ahead=cfg.runtime.encoders_ahead,
+              encoder_window=cfg.runtime.encoder_window)
+    row = evaluate(row, results, get_device("h100"), gpus, 1e9, text, family, model_cfg, pricing=Pricing(profile),
+                   samples=cfg.train.global_batch_size)
+    calls = {g: [[c.kind, c.round] for c, _, _ in row.replay.spans if c.group == g and c.round >= 0]
+             for g in jobs}  # each group's calls in the order it runs them (the trace's order, ``dhp.plan.schedule``)
     return {"predicted_step_s": row.step_time_s, "critical_path": row.critical_path, "pricing": row.pricing,
-            "sample": {"media_tokens": media, "text_tokens": text}, "groups": row.groups}
+            "sample": {"media_tokens": media, "text_tokens": text}, "groups": row.groups, "calls": calls}

@@ -7,7 +7,8 @@ says what each costs on one device:
   log space (inverse-distance weights over the nearest measured shapes of the dtype);
 * ``attention``: achieved FLOP/s of attention by kernel family, key length and head width;
 * ``hbm_bytes_per_s``: what memory-bound ops (elementwise, norms, copies, the optimizer) stream;
-* ``cpu_op_s``, ``sync_s``: the host's cost of dispatching one op and of one host sync; ``async_launch`` says
+* ``cpu_op_s``, ``dtensor_op_s``, ``sync_s``: the host's cost of dispatching one op, of DTensor's dispatch of
+  one op on top of it, and of one host sync; ``async_launch`` says
   whether the host runs ahead of the device (CUDA: a region between syncs costs max(host, device)) or does the
   work itself (CPU: host + device);
 * ``collectives``: ``alpha + bytes / beta`` per collective kind and group size (least squares over several
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,7 @@ class Profile:
     hbm_bytes_per_s: float = 0.0
     link_bytes_per_s: float = 0.0  # the roofline's collectives and router
     cpu_op_s: float = 0.0
+    dtensor_op_s: float = 0.0  # DTensor's Python dispatch of one op, beyond its local op's ``cpu_op_s``
     sync_s: float = 0.0
     async_launch: bool = True
     gemm: list[GemmPoint] = field(default_factory=list)
@@ -111,16 +113,8 @@ class Profile:
     router: CollectiveFit | None = None
     cores: int = 0  # a CPU profile: the host's cores, and the threads each measurement ran on
     threads: int = 0
-
-    def shared(self, factor: float) -> Profile:
-        """This profile with its compute, memory and host rates divided by ``factor``: ranks sharing one CPU's
-        cores (``factor`` ranks' threads per core) each get that share of them."""
-        if factor <= 1:
-            return self
-        return replace(self, gemm=[replace(g, flops_per_s=g.flops_per_s / factor) for g in self.gemm],
-                       attention=[replace(a, flops_per_s=a.flops_per_s / factor) for a in self.attention],
-                       peak_flops=self.peak_flops / factor, hbm_bytes_per_s=self.hbm_bytes_per_s / factor,
-                       cpu_op_s=self.cpu_op_s * factor, sync_s=self.sync_s * factor)
+    actor_call_s: float = 0.0  # the runtime's round trip of one actor call (driver -> worker -> driver)
+    object_store: CollectiveFit | None = None  # a tensor through Ray's object store, worker to worker
 
     @property
     def label(self) -> str:
@@ -138,6 +132,7 @@ class Profile:
         d["attention"] = [AttentionPoint(**p) for p in d.get("attention", [])]
         d["collectives"] = [CollectiveFit(**p) for p in d.get("collectives", [])]
         d["router"] = CollectiveFit(**d["router"]) if d.get("router") else None
+        d["object_store"] = CollectiveFit(**d["object_store"]) if d.get("object_store") else None
         known = set(cls.__dataclass_fields__)
         unknown = set(d) - known
         if unknown:
@@ -195,10 +190,13 @@ class Profile:
         bw = ring_factor(kind, ranks) / max(ring_factor(f.kind, f.ranks), 1e-12)
         return calls * f.alpha_s * lat + nbytes * bw / f.beta_bytes_per_s
 
-    def router_s(self, nbytes: float, calls: float = 1.0) -> float:
-        if self.router is None:
+    def router_s(self, nbytes: float, calls: float = 1.0, data_plane: str = "p2p") -> float:
+        """Seconds of the router's ``calls`` transfers of ``nbytes`` in all: point-to-point (``p2p``), or through
+        Ray (``ray``: the object store's fit where calibrated, else the point-to-point one)."""
+        fit = self.object_store if data_plane == "ray" and self.object_store else self.router
+        if fit is None:
             return nbytes / self.link_bytes_per_s
-        return calls * self.router.alpha_s + nbytes / self.router.beta_bytes_per_s
+        return calls * fit.alpha_s + nbytes / fit.beta_bytes_per_s
 
 
 def _idw(x: tuple[float, ...], pts: list[tuple[tuple[float, ...], float]], k: int = 4) -> float:

@@ -16,9 +16,12 @@ they go rank to rank instead:
   sender keeps the buffers until they complete, ``drain`` at the end of the
   step), so a rank never waits for its peer to reach its receive.
   Receives are sized from host metadata the driver hands on (``Incoming``):
-  rows per sample, width and dtype, which the sender reported when its forward
-  finished. No tensor passes through the driver, and no receive needs a host
-  read of a device value.
+  rows per sample and, per named output of the encoder (``Encoder.outputs``),
+  its width and dtype, which the sender reported when its forward finished.
+  Each named output travels as its own tensor, in its own dtype and width (no
+  padding to a common width); its gradient comes back by name the same way.
+  No tensor passes through the driver, and no receive needs a host read of a
+  device value.
 - Under the language model's Megatron sequence parallelism each TP rank keeps
   only its slice of the packed sequence (``dhp.engine.sequence_slice``) from the first
   layer on, so it receives only the placeholder rows that fall in that slice
@@ -48,19 +51,22 @@ import torch.distributed as dist
 DIRECTIONS = ("forward", "backward")  # embeddings to the language model; their gradients back
 
 
+Outputs = tuple[tuple[str, int, str], ...]  # (name, width, dtype) of each named output, in the order sent
+
+
 @dataclass(frozen=True)
 class Incoming:
     """What one rank receives from one peer rank for one micro-batch round: the driver's small metadata.
 
-    ``rows``: (sample id, rows) in the order the sender packed them; ``width`` and ``dtype`` of the rows.
-    The sender sends two tensors: the token index of every row (int64 [n]) and the rows ([n, width]).
-    Under an encoder's TP (the uniform baseline) the ranks of a replica agree: one sends, all take gradients."""
+    ``rows``: (sample id, rows) in the order the sender packed them; ``outputs``: (name, width, dtype) of each
+    named output of those rows, in the order sent. The sender sends the token index of every row (int64 [n]),
+    then one tensor [n, width] per output. Under an encoder's TP (the uniform baseline) the ranks of a replica
+    agree: one sends, all take gradients."""
 
     module: str  # the sending group
     peer: int  # its global rank (the data plane's process groups span every actor)
     rows: tuple[tuple[int, int], ...]
-    width: int
-    dtype: str
+    outputs: Outputs
     reply_to: tuple[int, ...] = ()  # global ranks the gradients of these rows go to (empty: ``peer``)
     # each receiving rank's own rows, where the ranks of a replica get different rows (Megatron SP: their
     # sequence slices): ((global rank, rows)...); empty: every rank of the replica receives ``rows``
@@ -88,7 +94,7 @@ class Incoming:
 
     @property
     def nbytes(self) -> int:
-        return self.n_rows * (self.width * _dtype(self.dtype).itemsize + 8)
+        return self.n_rows * (sum(w * _dtype(d).itemsize for _, w, d in self.outputs) + 8)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -121,16 +127,18 @@ class P2PChannel:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def receive(self, direction: str, incoming: list[Incoming],
-                with_index: bool = True) -> tuple[list[tuple[torch.Tensor | None, torch.Tensor]], float]:
-        """(token index, rows) from each of ``incoming``'s peers, in its order; and the seconds spent waiting.
+                with_index: bool = True) -> tuple[list[tuple[torch.Tensor | None, dict[str, torch.Tensor]]], float]:
+        """(token index, {output name: rows}) from each of ``incoming``'s peers, in its order; and the seconds
+        spent waiting.
 
         ``with_index=False``: the peers send the rows only (gradients, in the order of rows already known)."""
         ops, out = [], []
         for inc in incoming:
             index = torch.empty(inc.n_rows, dtype=torch.int64, device=self.device) if with_index else None
-            rows = torch.empty(inc.n_rows, inc.width, dtype=_dtype(inc.dtype), device=self.device)
-            ops += [dist.P2POp(dist.irecv, t, inc.peer, self.groups[direction]) for t in (index, rows)
-                    if t is not None]
+            rows = {name: torch.empty(inc.n_rows, width, dtype=_dtype(dtype), device=self.device)
+                    for name, width, dtype in inc.outputs}
+            ops += [dist.P2POp(dist.irecv, t, inc.peer, self.groups[direction])
+                    for t in ([index] if index is not None else []) + list(rows.values())]
             out.append((index, rows))
         t0 = time.perf_counter()
         if ops:
@@ -152,35 +160,58 @@ class P2PChannel:
         return time.perf_counter() - t0
 
 
-def pack_rows(pieces: dict[int, tuple[torch.Tensor, torch.Tensor]], sample_ids: list[int],
-              device: torch.device) -> tuple[tuple[tuple[int, int], ...], torch.Tensor | None, torch.Tensor | None]:
-    """The rows of ``sample_ids`` this rank holds, in that order: ((sid, rows)...), token index, rows (or None)."""
+Named = dict[str, torch.Tensor]  # rows of each named output, every one [n, width_name]
+Pieces = dict[int, tuple[torch.Tensor, Named]]  # sample id -> (token index, named rows)
+
+
+def output_layout(named: Named) -> Outputs:
+    """(name, width, dtype) of each named output, in its order: what a receiver sizes its buffers from."""
+    return tuple((name, t.shape[-1], dtype_name(t.dtype)) for name, t in named.items())
+
+
+def send_order(named: Named) -> list[torch.Tensor]:
+    """The named rows as the wire carries them: one tensor per output, in the outputs' order."""
+    return list(named.values())
+
+
+def pack_rows(pieces: Pieces, sample_ids: list[int],
+              device: torch.device) -> tuple[tuple[tuple[int, int], ...], torch.Tensor | None, Named | None]:
+    """The rows of ``sample_ids`` this rank holds, in that order: ((sid, rows)...), token index, {name: rows}
+    (or None)."""
     held = [i for i in sample_ids if i in pieces and len(pieces[i][0])]
     if not held:
         return (), None, None
     counts = tuple((i, len(pieces[i][0])) for i in held)
     index = torch.cat([pieces[i][0].to(device) for i in held])
-    rows = torch.cat([pieces[i][1] for i in held])
+    rows = {name: torch.cat([pieces[i][1][name] for i in held]) for name in pieces[held[0]][1]}
     return counts, index, rows
 
 
-def split_rows(counts: tuple[tuple[int, int], ...], index: torch.Tensor,
-               rows: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Undo ``pack_rows``: {sample id: (token index, rows)} (split by host counts: no device read)."""
+def split_named(counts: tuple[tuple[int, int], ...], rows: Named) -> dict[int, Named]:
+    """{sample id: {name: its rows}} from rows packed sample after sample (split by host counts)."""
     sizes = [n for _, n in counts]
-    return {sid: (i, r) for (sid, _), i, r in zip(counts, index.split(sizes), rows.split(sizes), strict=True)}
+    parts = {name: t.split(sizes) for name, t in rows.items()}
+    return {sid: {name: p[k] for name, p in parts.items()} for k, (sid, _) in enumerate(counts)}
+
+
+def split_rows(counts: tuple[tuple[int, int], ...], index: torch.Tensor, rows: Named) -> Pieces:
+    """Undo ``pack_rows``: {sample id: (token index, {name: rows})} (split by host counts: no device read)."""
+    sizes = [n for _, n in counts]
+    named = split_named(counts, rows)
+    return {sid: (i, named[sid]) for (sid, _), i in zip(counts, index.split(sizes), strict=True)}
 
 
 # ---- Megatron sequence parallelism: each text TP rank receives the rows of its own sequence slice -------------
 
-def rows_by_receiver(pieces: dict[int, tuple[torch.Tensor, torch.Tensor]], sample_ids: list[int],
-                     offsets: dict[int, int], slots: dict[int, torch.Tensor], receivers: list[tuple[int, int, int]],
-                     device: torch.device) -> list[tuple[int, tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor]]:
+def rows_by_receiver(pieces: Pieces, sample_ids: list[int], offsets: dict[int, int], slots: dict[int, torch.Tensor],
+                     receivers: list[tuple[int, int, int]],
+                     device: torch.device) -> list[tuple[int, tuple[tuple[int, int], ...], torch.Tensor, Named]]:
     """What each TP rank of a text replica under Megatron SP receives of this rank's rows of ``sample_ids``:
-    (receiver, ((sid, rows)...), token index, rows) for every receiver that gets some, the rows of its
-    sequence slice only, in the order of ``sample_ids`` and of each sample's token index here.
+    (receiver, ((sid, rows)...), token index, {name: rows}) for every receiver that gets some, the rows of its
+    sequence slice only (every named output cut the same way), in the order of ``sample_ids`` and of each
+    sample's token index here.
 
-    ``pieces``: {sid: (token index (host), rows)} as ``pack_rows`` takes them; ``offsets[sid]``: where sample
+    ``pieces``: {sid: (token index (host), {name: rows})} as ``pack_rows`` takes them; ``offsets[sid]``: where sample
     ``sid`` starts in the text replica's packed sequence; ``slots[sid]``: its placeholder positions in
     token-index order (``dhp.engine.slot_positions``); ``receivers``: (global rank, start, end) of each TP rank's
     slice of that sequence (``dhp.engine.sequence_slice``). Host metadata only: the selection is made on the
@@ -190,15 +221,16 @@ def rows_by_receiver(pieces: dict[int, tuple[torch.Tensor, torch.Tensor]], sampl
     for receiver, lo, hi in receivers:
         counts, index, rows = [], [], []
         for sid in held:
-            token_index, emb = pieces[sid]
+            token_index, named = pieces[sid]
             pos = offsets[sid] + slots[sid][token_index]
             mine = ((pos >= lo) & (pos < hi)).nonzero().flatten()
             if len(mine):
                 counts.append((sid, len(mine)))
                 index.append(token_index[mine])
-                rows.append(emb.index_select(0, mine.to(emb.device)))
+                rows.append({name: t.index_select(0, mine.to(t.device)) for name, t in named.items()})
         if counts:
-            out.append((receiver, tuple(counts), torch.cat(index).to(device), torch.cat(rows)))
+            out.append((receiver, tuple(counts), torch.cat(index).to(device),
+                        {name: torch.cat([r[name] for r in rows]) for name in rows[0]}))
     return out
 
 
@@ -241,5 +273,6 @@ def open_cuda(obj: Any) -> Any:
     return obj
 
 
-__all__ = ["DIRECTIONS", "Incoming", "P2PChannel", "SharedCuda", "dtype_name", "open_cuda", "pack_rows",
-           "rows_by_receiver", "share_cuda", "split_rows"]
+__all__ = ["DIRECTIONS", "Incoming", "Named", "Outputs", "P2PChannel", "Pieces", "SharedCuda", "dtype_name",
+           "open_cuda", "output_layout", "pack_rows", "rows_by_receiver", "send_order", "share_cuda", "split_named",
+           "split_rows"]

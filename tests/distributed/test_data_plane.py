@@ -156,24 +156,25 @@ def test_sequence_slices_route_each_row_to_the_rank_that_keeps_it() -> None:
     slots = {0: slot_positions(s0, (a, b)), 1: slot_positions(s1, (a, b))}
     assert slots[0].tolist() == [1, 2, 4, 8, 5, 6] and slots[1].tolist() == [0, 1, 5]
     # this rank (e.g. one of two vision SP ranks) holds tokens 0, 3, 5 of s0 and 1, 2 of s1
-    pieces = {0: (torch.tensor([0, 3, 5]), torch.arange(3.0)[:, None].repeat(1, 2)),
-              1: (torch.tensor([1, 2]), 10 + torch.arange(2.0)[:, None].repeat(1, 2))}
+    pieces = {0: (torch.tensor([0, 3, 5]), {"embeds": torch.arange(3.0)[:, None].repeat(1, 2)}),
+              1: (torch.tensor([1, 2]), {"embeds": 10 + torch.arange(2.0)[:, None].repeat(1, 2)})}
     receivers = [(40 + t, *sequence_slice(16, 2, t)) for t in range(2)]  # slices [0, 8), [8, 16)
     got = rows_by_receiver(pieces, [0, 1], {0: 0, 1: 10}, slots, receivers, torch.device("cpu"))
     # flat positions: s0 tokens 0, 3, 5 -> 1, 8, 6; s1 tokens 1, 2 -> 11, 15
     (r0, c0, i0, x0), (r1, c1, i1, x1) = got
-    assert (r0, c0, i0.tolist(), x0[:, 0].tolist()) == (40, ((0, 2),), [0, 5], [0.0, 2.0])
-    assert (r1, c1, i1.tolist(), x1[:, 0].tolist()) == (41, ((0, 1), (1, 2)), [3, 1, 2], [1.0, 10.0, 11.0])
-    inc = Incoming("vision", 3, ((0, 3), (1, 2)), 2, "float32", parts=((40, c0), (41, c1)))
+    assert (r0, c0, i0.tolist(), x0["embeds"][:, 0].tolist()) == (40, ((0, 2),), [0, 5], [0.0, 2.0])
+    assert (r1, c1, i1.tolist(), x1["embeds"][:, 0].tolist()) == (41, ((0, 1), (1, 2)), [3, 1, 2], [1.0, 10.0, 11.0])
+    inc = Incoming("vision", 3, ((0, 3), (1, 2)), (("embeds", 2, "float32"),), parts=((40, c0), (41, c1)))
     assert inc.sliced and inc.for_receiver(41).rows == c1 and inc.for_receiver(42) is None
-    assert not Incoming("vision", 3, ((0, 3),), 2, "float32").sliced
+    assert not Incoming("vision", 3, ((0, 3),), (("embeds", 2, "float32"),)).sliced
 
 
 def test_a_slice_is_assembled_in_token_order_and_checked() -> None:
     mine = torch.tensor([1, 2, 5])  # this rank's token indices of a 6-token sample
-    pieces = [(torch.tensor([5, 1]), torch.tensor([[5.0], [1.0]])), (torch.tensor([2]), torch.tensor([[2.0]]))]
+    pieces = [(torch.tensor([5, 1]), {"embeds": torch.tensor([[5.0], [1.0]])}),
+              (torch.tensor([2]), {"embeds": torch.tensor([[2.0]])})]
     rows, token_rows = assemble_slice(pieces, mine, 6, 0, "vision", torch.device("cpu"))
-    assert rows[:, 0].tolist() == [1.0, 2.0, 5.0] and token_rows[torch.tensor([5, 2])].tolist() == [2, 1]
+    assert rows["embeds"][:, 0].tolist() == [1.0, 2.0, 5.0] and token_rows[torch.tensor([5, 2])].tolist() == [2, 1]
     with pytest.raises(RuntimeError, match="sample 0: 1 vision embeddings arrived for the 3 slots"):
         assemble_slice(pieces[1:], mine, 6, 0, "vision", torch.device("cpu"))
 

@@ -275,7 +275,8 @@ def test_sharegpt_forms_of_llama_factory(good_dir: Path, tok: Tokenizer) -> None
 
 
 def test_image_part_sources(good_dir: Path, tok: Tokenizer) -> None:
-    """file:// URLs and OpenAI's image_url parts name local files; an http URL is an error that says so."""
+    """file:// URLs and OpenAI's image_url parts name local files; a URL of a storage fsspec does not know is an
+    error that says so."""
     def sample(part):
         return {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "Which?"}]},
                              {"role": "assistant", "content": "3"}]}
@@ -285,9 +286,9 @@ def test_image_part_sources(good_dir: Path, tok: Tokenizer) -> None:
           sample({"type": "image", "image": "a.png"})]
     ds = SFTDataset(CFG, tok, _write_jsonl(good_dir / "ok.jsonl", ok), processor=VL(CFG, tok))
     assert len(ds) == 3 and ds[0].input_ids.tolist() == ds[1].input_ids.tolist() == ds[2].input_ids.tolist()
-    bad = [sample({"type": "image", "url": "https://example.com/a.png"}),
+    bad = [sample({"type": "image", "url": "nostore://example.com/a.png"}),  # (URLs fsspec reads are fetched:
            {"messages": [{"role": "user", "content": "<image>Which?"}, {"role": "assistant", "content": "3"}],
-            "images": ["http://example.com/a.png"]},
+            "images": ["nostore://example.com/a.png"]},  # tests/e2e/test_object_storage.py)
            sample({"type": "video"}),
            sample({"type": "image"}),  # no file and no 'images'
            sample({"type": "text", "text": "<image>"})]
@@ -295,8 +296,8 @@ def test_image_part_sources(good_dir: Path, tok: Tokenizer) -> None:
     with pytest.raises(DataError) as e:
         SFTDataset(CFG, tok, path, processor=VL(CFG, tok))
     by_sample = {i.index: i.message for i in e.value.issues}
-    assert "is a URL; dhp reads local image files only" in by_sample[0]
-    assert "is a URL" in by_sample[1]
+    assert "image nostore://example.com/a.png: fsspec knows no 'nostore://' storage" in by_sample[0]
+    assert "knows no 'nostore://'" in by_sample[1]
     assert "1 <video> placeholder but 0 videos" in by_sample[2]  # a video part with no clip
     assert "1 <image> placeholder but 0 images" in by_sample[3]
     assert "tag inside a text part" in by_sample[4]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -92,11 +93,14 @@ def test_calibrated_costs_interpolate_and_scale_by_group_size() -> None:
     assert p.collective_s("all_reduce", 2, 1e6, 3) == pytest.approx(3e-4 + 1e6 / 1e9)
     assert p.collective_s("all_reduce", 4, 1e6, 1) == pytest.approx(3 * 1e-4 + 1e6 * (1.5 / 1.0) / 1e9)
     assert p.router_s(1e6, 2) == pytest.approx(4e-4 + 1e6 / 2e9)
-    # ranks sharing one CPU's cores: twice the ranks' threads per core, twice the device and host time
-    half = p.shared(2.0)
-    assert half.gemm_s(200, 128, 128, "bfloat16") == pytest.approx(2 * p.gemm_s(200, 128, 128, "bfloat16"))
-    assert (half.memory_s(1e9), half.cpu_op_s) == (pytest.approx(2 * p.memory_s(1e9)), pytest.approx(2e-5))
-    assert p.shared(0.5) is p
+    # the ray data plane's transfers take the object store's fit where there is one
+    store = replace(p, object_store=CollectiveFit("object_store", 2, 3e-3, 1e8))
+    assert store.router_s(1e6, 2, "ray") == pytest.approx(6e-3 + 1e6 / 1e8)
+    assert store.router_s(1e6, 2, "p2p") == p.router_s(1e6, 2) == p.router_s(1e6, 2, "ray")
+    # DTensor's dispatch is host work on top of the local ops'
+    dt = replace(p, dtensor_op_s=5e-5)
+    one = GroupResult(ops=[{"ops": 10, "dtensor_ops": 4}])
+    assert group_cost(GroupJob("text"), one, dt, samples=1).host_mb == pytest.approx(10 * 1e-5 + 4 * 5e-5)
     # host and device add up on a CPU (no async launch); a region's device time is max'ed with its host's on GPU
     job = GroupJob("text", inner=2, inner_kind="tp")
     r = GroupResult(ops=[{"mem_bytes": 1e8, "ops": 1000}, {"mem_bytes": 1e6, "ops": 1000}])

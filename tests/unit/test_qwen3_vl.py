@@ -268,10 +268,14 @@ def test_family_modules_train_like_the_whole_model():
         pixel_values, image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
         pixel_values_videos, video_grid_thw = inputs["pixel_values_videos"], inputs["video_grid_thw"]
 
-    embeds, index = family.module("vision").encode(vision, [S()], None, "cpu")
-    assert embeds.shape[-1] == (1 + cfg.deepstack_levels) * cfg.text.hidden_size
+    out, index = family.module("vision").encode(vision, [S()], None, "cpu")
+    names = ("embeds", *(f"deepstack_{i}" for i in range(cfg.deepstack_levels)))
+    assert tuple(out) == family.module("vision").outputs(cfg) == names  # the named outputs, main first
+    assert {t.shape[-1] for t in out.values()} == {cfg.text.hidden_size}
+    assert tuple(i.name for i in family.language.inputs(cfg)) == names
     n_img = int(inputs["image_grid_thw"].prod(-1).sum()) // 4
-    media = {cfg.image_token_id: embeds[:n_img], cfg.video_token_id: embeds[n_img:]}
+    media = {cfg.image_token_id: family.language.handover({n: t[:n_img] for n, t in out.items()}, cfg),
+             cfg.video_token_id: family.language.handover({n: t[n_img:] for n, t in out.items()}, cfg)}
     ids = inputs["input_ids"]
     targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
     loss = text.loss_sum(ids, whole.position_ids(ids, inputs["image_grid_thw"], inputs["video_grid_thw"]),

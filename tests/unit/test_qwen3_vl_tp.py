@@ -7,10 +7,13 @@ them with the same modules built from the same seed, unsharded:
   holds a part of their gradient (``HeadNormTP`` sums it); DeepStack adds two levels after layers 0 and 1;
 * text TP 2 with Megatron SP over an odd length (padded inside): whole DeepStack features (every rank adds its
   shard's rows) and, as the data plane sends them, each rank only its sequence slice's rows with their positions;
-* vision TP 2 over the fused qkv (rows re-laid head-wise), fc1/fc2 column/row parallel with biases: the packed
-  ``[N/4, 3 D]`` output (main merger and both DeepStack mergers) and every gradient;
+* vision TP 2 over the fused qkv (rows re-laid head-wise), fc1/fc2 column/row parallel with biases: the named
+  outputs (main merger and both DeepStack mergers, compared side by side as ``[N/4, 3 D]``) and every gradient;
 * vision Ulysses SP 2 (an all-to-all in every full-attention block) over an image, a clip and a small image: each
-  rank's rows of the packed output and the gradients summed over the ranks.
+  rank's rows of every named output and the gradients summed over the ranks.
+
+The media cross as the encoder's named outputs (``{"embeds", "deepstack_0", "deepstack_1"}``, each ``[n, D]``);
+the checks put them side by side (``side_by_side``) to compare every part at once.
 """
 
 from __future__ import annotations
@@ -38,6 +41,17 @@ from tests.dist_utils import run_distributed
 TP = 2
 IMAGE, VIDEO = 290, 291
 GRID = [[1, 8, 12], [2, 4, 4]]  # an image of 24 merged tokens and a clip of 2 x 4: 32 vision tokens
+
+
+def named(packed: torch.Tensor, cfg) -> dict[str, torch.Tensor]:
+    """``[n, (1 + K) D]`` -> the named outputs ``{"embeds": [n, D], "deepstack_i": [n, D]}`` (main first)."""
+    names = ("embeds", *(f"deepstack_{i}" for i in range(cfg.deepstack_levels)))
+    return dict(zip(names, packed.split(cfg.text.hidden_size, dim=-1), strict=True))
+
+
+def side_by_side(out: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The named outputs ``[n, D]`` each, side by side ``[n, (1 + K) D]`` (main first): one tensor to compare."""
+    return torch.cat(list(out.values()), dim=-1)
 
 
 def cfg_():
@@ -92,21 +106,24 @@ def run_text(model, x: dict[str, Any], cfg, sliced_rank: int | None = None) -> d
     """Summed loss over the supervised rows (the engine's call), its gradients and the media's gradients.
 
     ``sliced_rank``: give the model only that rank's sequence slice of the media rows, with their positions."""
-    leaves = {t: e.clone().requires_grad_() for t, e in x["media"].items()}
+    leaves = {t: {n: p.clone().requires_grad_() for n, p in named(e, cfg).items()} for t, e in x["media"].items()}
     media: dict[int, Any] = leaves
     if sliced_rank is not None:
         lo, hi = sequence_slice(x["input_ids"].numel(), TP, sliced_rank)
         mine = {t: ((p >= lo) & (p < hi)).nonzero().flatten() for t, p in x["meta"].placeholders.items()}
-        media = {t: (leaves[t][mine[t]], x["meta"].placeholders[t][mine[t]]) for t in leaves}
+        media = {t: ({n: leaf[mine[t]] for n, leaf in leaves[t].items()}, x["meta"].placeholders[t][mine[t]])
+                 for t in leaves}
     loss = model.loss_sum(x["input_ids"], x["position_ids"], x["targets"], media, meta=x["meta"])
     loss.backward()
     return {"loss": loss.detach(), "grads": grads(model, cfg), "norm_sq": float(grad_norm_sq(model.parameters())),
-            "media_grads": {t: leaf.grad for t, leaf in leaves.items()},
+            "media_grads": {t: side_by_side({n: torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+                                             for n, leaf in parts.items()})  # unused here: zero, as the engine
+                            for t, parts in leaves.items()},
             "q_norm_grad_type": type(model.layers[0].self_attn.q_norm.weight.grad).__name__}
 
 
 def run_vision(model, x: dict[str, torch.Tensor], cfg) -> dict[str, Any]:
-    out = model(x["pixel_values"], x["grid_thw"])
+    out = side_by_side(model(x["pixel_values"], x["grid_thw"]))
     (out * x["weight"]).sum().backward()
     return {"out": out.detach(), "grads": grads(model, cfg), "norm_sq": float(grad_norm_sq(model.parameters()))}
 
@@ -229,9 +246,9 @@ def _sp_rank(rank: int, world_size: int, p: dict) -> dict:
     parallelize_vision_sp(model, None)
     shard = shard_vision(SP_GRIDS, p["cfg"], world_size)[rank]
     out = sp_forward(model, p["pixel_values"], shard, None)
-    (out * p["weight"][shard.merged_index]).sum().backward()
+    (side_by_side(out) * p["weight"][shard.merged_index]).sum().backward()
     grads = {n: torch.zeros_like(q) if q.grad is None else q.grad for n, q in model.named_parameters()}
-    return {"out": out.detach(), "grads": grads, "shard": shard}
+    return {"out": {n: t.detach() for n, t in out.items()}, "grads": grads, "shard": shard}
 
 
 def test_vision_sp_forward_and_gradients_match_unsharded(sharded):
@@ -240,11 +257,11 @@ def test_vision_sp_forward_and_gradients_match_unsharded(sharded):
     results = [r["sp"] for r in sharded]
     model = VisionTransformer(p["cfg"])
     model.load_state_dict(p["state"])
-    ref = model(p["pixel_values"], SP_GRIDS)
+    ref = side_by_side(model(p["pixel_values"], SP_GRIDS))
     (ref * p["weight"]).sum().backward()
     sizes = results[0]["shard"].split_sizes
     assert sum(sizes) == SP_GRIDS.prod(-1).sum() and max(sizes) - min(sizes) <= 4
-    out = to_image_order([r["out"] for r in results], [r["shard"] for r in results])
+    out = side_by_side(to_image_order([r["out"] for r in results], [r["shard"] for r in results]))
     assert (out - ref.detach()).abs().max() < 1e-5
     for name, q in model.named_parameters():
         summed = sum(r["grads"][name] for r in results)

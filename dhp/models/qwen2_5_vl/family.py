@@ -94,7 +94,9 @@ def _fused_transforms(module: nn.Module, suffix: str, sizes: Sequence[int], tp: 
 
 def vision_layout_transforms(module: nn.Module, par: Any) -> dict[str, LayoutTransform]:
     """Under the uniform-TP baseline the fused qkv and gate/up rows are grouped by rank (``FusedColwise``): the
-    global DTensor is not in HF order. Every other layout, and every other parameter, is canonical as it is."""
+    global DTensor is not in HF order, and where tp does not divide the MLP width the gate/up halves carry zero
+    padding rows (its global shape is larger than HF's; ``to_canonical`` drops them). Every other layout, and
+    every other parameter (down_proj too: DTensor's own uneven ``Shard(1)``), is canonical as it is."""
     if par.inner_kind != "tp":
         return {}
     cfg, tp = module.cfg, par.config.tp
@@ -112,12 +114,16 @@ def language_layout_transforms(module: nn.Module, par: Any) -> dict[str, LayoutT
             | _fused_transforms(module, "mlp.gate_up_proj", (cfg.intermediate_size,) * 2, tp))
 
 
-def check_vision_layout(model_cfg: Qwen2_5_VLConfig, sp: int, tp: int) -> str | None:
+def check_vision_layout(model_cfg: Qwen2_5_VLConfig, sp: int, tp: int, uneven_mlp: bool = True) -> str | None:
+    """Ulysses SP and TP keep whole heads on a rank: both must divide the vision heads. The MLP width need not
+    divide tp (3420 at tp 8): this family's plan cuts its gate/up halves as ``torch.chunk`` cuts them and pads
+    them (uneven ``FusedColwise``, ``UnevenRowwise``). ``uneven_mlp=False``: a plan that shards the MLP evenly
+    only (a family that reuses this check with a plan of its own), so tp must divide the width too."""
     heads = model_cfg.vision.num_heads
     return (heads_problem("vision.parallel.sp", sp, heads, "vision heads")
             or heads_problem("vision.parallel.tp", tp, heads, "vision heads")
-            # the fused gate/up shards each half evenly (FusedColwise); uneven shards are the planner v2's
-            or heads_problem("vision.parallel.tp", tp, model_cfg.vision.intermediate_size, "vision MLP width"))
+            or (None if uneven_mlp else
+                heads_problem("vision.parallel.tp", tp, model_cfg.vision.intermediate_size, "vision MLP width")))
 
 
 class Vision(Encoder):
@@ -144,7 +150,9 @@ class Vision(Encoder):
         return (model_cfg.image_token_id, model_cfg.video_token_id)  # images' embeddings first, then videos'
 
     def check_layout(self, model_cfg: Qwen2_5_VLConfig, sp: int, tp: int) -> str | None:
-        return check_vision_layout(model_cfg, sp, tp)
+        # uneven MLP shards are this family's plan's (parallelize_vision); a subclass with its own plan (Qwen3-VL)
+        # keeps the even rule until its plan shards unevenly too
+        return check_vision_layout(model_cfg, sp, tp, uneven_mlp=type(self).parallelize is Vision.parallelize)
 
     def parallelize(self, module: VisionTransformer, par: Any, opts: ParallelizeOptions) -> None:
         parallelize_vision(module, par, opts)

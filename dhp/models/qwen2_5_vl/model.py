@@ -69,7 +69,12 @@ class Qwen2_5_VL(nn.Module):
             return {}
         embeds = self.visual(torch.cat([pv for _, pv, _ in parts]), torch.cat([g.reshape(-1, 3) for _, _, g in parts]))
         counts = [int(g.prod(-1).sum()) // self.cfg.vision.merge_unit for _, _, g in parts]
-        return {tid: e for (tid, _, _), e in zip(parts, embeds.split(counts), strict=True)}
+        return {tid: e for (tid, _, _), e in zip(parts, self.split_vision(embeds, counts), strict=True)}
+
+    def split_vision(self, embeds: Any, counts: list[int]) -> list[Any]:
+        """The encoder's output cut into consecutive runs of ``counts`` rows (images', then videos'). A family
+        whose encoder has named outputs (Qwen3-VL) cuts each of them."""
+        return list(embeds.split(counts))
 
     def forward(
         self,

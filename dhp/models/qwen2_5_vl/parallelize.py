@@ -30,6 +30,11 @@ vision, per block
                    re-ordered so that rank r holds q, k and v of heads [r*H/tp, (r+1)*H/tp)
     attn.proj      RowwiseParallel;   mlp gate_up FusedColwise (as in text), down Rowwise:
                    4 all-reduces per block and step (2 forward, 2 backward)
+    uneven MLP     the MLP width need not divide tp (3420 at tp 8; the heads must): each half is cut as torch.chunk
+                   cuts it (ceil(I/tp) rows on the first ranks, fewer on the last) and padded with zero rows to
+                   tp * ceil(I/tp), so gate/up is an even Shard(0) (FusedColwise(uneven=True)); down_proj is
+                   DTensor's own uneven Shard(1) of [C, I], its input cut to the real columns (UnevenRowwise).
+                   Every rank computes ceil(I/tp) rows: the largest shard sets the step
     patch_embed, norms, merger: replicated (plain tensors)
 
 Tied embeddings (``tie_word_embeddings``, the 3B preset) are supported: embed_tokens and lm_head both shard
@@ -38,13 +43,15 @@ their [V, D] weight on the vocabulary (``Shard(0)``), so after the plan they sha
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -249,20 +256,47 @@ def _reduce_partial_grad(param: torch.Tensor) -> None:
 
 
 # ---- fused projections (text qkv and gate/up, vision qkv and gate/up) -------------------------------------------
+def chunk_rows(n: int, tp: int) -> int:
+    """Rows of an ``n``-row part per TP rank in the rank order: ``ceil(n / tp)``, ``torch.chunk``'s piece.
+
+    Rank r's real rows of the part are ``[r c, min((r + 1) c, n))`` (c rows on the first ranks, fewer or none
+    on the last: DTensor's own uneven ``Shard``, so the row-parallel projection that reads them shards its input
+    columns exactly so, ``UnevenRowwise``); where ``tp`` does not divide ``n`` the part is padded at its end with
+    ``c tp - n`` zero rows, so that every rank holds c rows of it."""
+    return -(-n // tp)
+
+
 def rows_to_rank_order(t: torch.Tensor, sizes: Sequence[int], tp: int) -> torch.Tensor:
     """Rows of a fused weight/bias ``[part 0; part 1; ...]`` (``sizes`` rows each, unequal allowed) to rank order
     ``[rank 0: its rows of part 0; of part 1; ...][rank 1: ...]``: what each TP rank's contiguous ``Shard(0)``
-    must hold (Megatron's interleaved layout). Every part's row count must be a multiple of ``tp``."""
+    must hold (Megatron's interleaved layout). A part that ``tp`` does not divide is first padded with zero rows
+    at its end to ``chunk_rows(n, tp) * tp`` (``chunk_rows``): the result then has more rows than ``t``."""
     rest = t.shape[1:]
-    parts = t.split(list(sizes))
-    return torch.cat([p.reshape(tp, p.shape[0] // tp, *rest) for p in parts], dim=1).reshape(t.shape)
+    if t.shape[0] != sum(sizes):
+        raise ValueError(f"a fused tensor of {t.shape[0]} rows is not made of parts of {list(sizes)} rows")
+    out = []
+    for part, n in zip(t.split(list(sizes)), sizes, strict=True):
+        c = chunk_rows(n, tp)
+        if c * tp != n:
+            part = torch.cat([part, part.new_zeros(c * tp - n, *rest)])
+        out.append(part.reshape(tp, c, *rest))
+    return torch.cat(out, dim=1).reshape(-1, *rest)
 
 
 def rows_from_rank_order(t: torch.Tensor, sizes: Sequence[int], tp: int) -> torch.Tensor:
-    """Inverse of ``rows_to_rank_order`` (for a gathered weight or gradient, e.g. to save a checkpoint)."""
+    """Inverse of ``rows_to_rank_order`` (for a gathered weight or gradient, e.g. to save a checkpoint): the
+    padding rows are dropped, and they must be zero (a non-zero one is a layout bug, not data to lose)."""
     rest = t.shape[1:]
-    by_rank = t.reshape(tp, t.shape[0] // tp, *rest)
-    return torch.cat([p.reshape(-1, *rest) for p in by_rank.split([n // tp for n in sizes], dim=1)])
+    chunks = [chunk_rows(n, tp) for n in sizes]
+    if t.shape[0] != tp * sum(chunks):
+        raise ValueError(f"a rank-ordered tensor of {t.shape[0]} rows does not hold parts of {list(sizes)} rows "
+                         f"over tp={tp} ({tp} x {sum(chunks)} rows)")
+    by_rank = t.reshape(tp, sum(chunks), *rest)
+    parts = [p.reshape(-1, *rest) for p in by_rank.split(chunks, dim=1)]
+    if not t.is_meta and any(p[n:].any() for p, n in zip(parts, sizes, strict=True) if p.shape[0] > n):
+        raise ValueError(f"the padding rows of a rank-ordered fused tensor (parts {list(sizes)}, tp={tp}) are not "
+                         "zero: the tensor was not laid out by rows_to_rank_order")
+    return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
 
 
 class FusedColwise(ColwiseParallel):
@@ -271,17 +305,32 @@ class FusedColwise(ColwiseParallel):
     the rows are first re-ordered by ``rows_to_rank_order``, so each rank's contiguous shard is its own rows of
     every part, in order, and the module cuts its local output exactly as the unsharded one (in proportion).
     The DTensor's *global* row order is therefore the rank order (undo with ``rows_from_rank_order``; the
-    family's ``layout_transforms`` say so to checkpoints and init)."""
+    family's ``layout_transforms`` say so to checkpoints and init).
 
-    def __init__(self, sizes: Sequence[int]) -> None:
+    ``uneven``: parts that ``tp`` does not divide are allowed (a gate/up whose width is not a multiple of tp,
+    never a q/k/v: heads are whole on a rank). Each part is cut as ``torch.chunk`` cuts it and padded at its end
+    to ``chunk_rows(n, tp) * tp`` zero rows (``chunk_rows``): the DTensor is an even ``Shard(0)`` of
+    ``[tp * sum(chunk_rows), in]``, every rank ``chunk_rows`` rows of every part, the last ranks' tails zero.
+    Why padding, not a ``from_local`` of unequal shards: the concatenation's per-rank sizes (``2 chunk_r(n)``)
+    are not DTensor's chunk pattern of ``2n`` (3420 over 8: 856 x 7 + 848 against 855 x 8), and every generic
+    path (``full_tensor``, ``distribute_tensor``, FSDP2, checkpoints, init) assumes that pattern. The padding
+    rows stay zero in training (their output is dropped by the row-parallel projection after them,
+    ``UnevenRowwise``, so their gradient is zero) and are dropped on the way to a checkpoint."""
+
+    def __init__(self, sizes: Sequence[int], uneven: bool = False) -> None:
         super().__init__()
         self.sizes = tuple(sizes)
+        self.uneven = uneven
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         tp = device_mesh.size()
         if any(n % tp for n in self.sizes):
-            raise ValueError(f"tensor parallelism tp={tp} must divide every part of the fused {name or 'Linear'} "
-                             f"(rows {list(self.sizes)})")
+            if not self.uneven:
+                raise ValueError(f"tensor parallelism tp={tp} must divide every part of the fused "
+                                 f"{name or 'Linear'} (rows {list(self.sizes)})")
+            if len(set(self.sizes)) != 1:  # the local output is cut in proportion to the parts: equal ones only
+                raise ValueError(f"uneven tensor parallelism (tp={tp}) of the fused {name or 'Linear'} needs parts "
+                                 f"of equal rows (gate/up), got {list(self.sizes)}")
         for pname, param in module.named_parameters(recurse=False):
             data = rows_to_rank_order(param.detach(), self.sizes, tp)
             dist_param = nn.Parameter(
@@ -291,14 +340,47 @@ class FusedColwise(ColwiseParallel):
             module.register_parameter(pname, dist_param)
 
 
+class UnevenRowwise(RowwiseParallel):
+    """RowwiseParallel after an uneven ``FusedColwise`` (the MLP's down projection after its gate/up).
+
+    The local input is the rank's padded ``chunk_rows(n, tp)`` columns, of which the first ``chunk_r(n)`` are
+    real (``torch.chunk``'s cut); the weight is DTensor's own (uneven) ``Shard(1)`` of ``[out, n]``, the same cut.
+    The input hook drops the padding columns and makes the DTensor with its true global width ``n`` (``from_local``
+    would take ``tp`` times the local width), so the local matmul is ``[.., chunk_r(n)] @ [chunk_r(n), out]``
+    and the padding gets a zero gradient. Where tp divides ``n`` it is ``RowwiseParallel`` exactly."""
+
+    @staticmethod
+    def _prepare_uneven_input(mod: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> DTensor:
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            raise ValueError(f"UnevenRowwise takes the local output of a FusedColwise, got a DTensor {x.placements}")
+        start, end = shard_range(mod.in_features, device_mesh)
+        if x.shape[-1] < end - start:
+            raise ValueError(f"UnevenRowwise: a local input of {x.shape[-1]} columns, but this rank's shard of "
+                             f"{mod.in_features} input features is {end - start} wide")
+        x = x[..., : end - start]
+        shape = (*x.shape[:-1], mod.in_features)
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        return DTensor.from_local(x, device_mesh, [Shard(x.dim() - 1)], run_check=False, shape=shape,
+                                  stride=stride)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise NotImplementedError(f"UnevenRowwise shards an nn.Linear, got {type(module).__name__}")
+        return distribute_module(module, device_mesh, self._partition_linear_fn, self._prepare_uneven_input,
+                                 functools.partial(self._prepare_output_fn, self.output_layouts,
+                                                   self.use_local_output))
+
+
 # ---- vision encoder (uniform-TP baseline) -----------------------------------------------------------------------
 def vision_block_plan(cfg: VisionConfig) -> dict[str, ParallelStyle]:
     """Per block: 2 all-reduces forward (proj, down) and 2 backward (the fused qkv's input, the fused gate/up's)."""
     return {
         "attn.qkv": FusedColwise((cfg.hidden_size,) * 3),  # [q; k; v]: each rank q, k and v of its own heads
         "attn.proj": RowwiseParallel(),
-        "mlp.gate_up_proj": FusedColwise((cfg.intermediate_size, cfg.intermediate_size)),
-        "mlp.down_proj": RowwiseParallel(),
+        # a width tp does not divide (3420 at tp 8): each half cut as torch.chunk cuts it, padded (FusedColwise)
+        "mlp.gate_up_proj": FusedColwise((cfg.intermediate_size, cfg.intermediate_size), uneven=True),
+        "mlp.down_proj": UnevenRowwise(),
     }
 
 

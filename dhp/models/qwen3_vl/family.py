@@ -3,10 +3,11 @@
 Everything the runtime needs to know about Qwen3-VL is here (``FAMILY``): how each module is built and
 parallelized, where its weights live, which placeholders it fills and what a sample costs it (``flops.py``).
 
-DeepStack through the runtime: the vision module's ``encode`` emits one tensor per placeholder token,
-``[n, (1 + K) * D]`` (the merged embedding, then the K DeepStack features: ``vision.pack``), and the language
-module takes exactly that in its ``media`` dict and splits it (``text.TextModel.split_media``). So the router
-moves one tensor per sample, as for Qwen2.5-VL, and the gradients of all K + 1 parts come back in it.
+DeepStack through the runtime: the vision module declares its named outputs (``Vision.outputs``: ``embeds``,
+then ``deepstack_0`` ... ``deepstack_{K-1}``, from the config) and its ``encode`` emits them per placeholder
+token, each ``[n, D]``; the language module declares the same names as its ``inputs`` (the main embeddings at the
+placeholders, feature i after layer i) and takes them from its ``media`` by name (``text.TextModel.route_media``).
+The router moves each part as its own tensor and returns the gradient of each by name (``docs/qwen3_vl.md``).
 
 Layouts built: data parallel, ZeRO-1, ZeRO-3 / FSDP2 and activation checkpointing on both modules (the
 ``Module`` defaults: checkpointing and FSDP2 units over ``blocks`` / ``layers``), vision Ulysses SP
@@ -35,10 +36,10 @@ from dhp.models.qwen2_5_vl.family import Vision as Qwen25Vision
 from dhp.models.qwen3_vl.config import PRESET_PREFIX, PRESETS, Qwen3VLConfig, preset
 from dhp.models.qwen3_vl.flops import text_sample_flops, vision_sample_flops
 from dhp.models.qwen3_vl.model import Qwen3VL
-from dhp.models.qwen3_vl.text import TextModel
-from dhp.models.qwen3_vl.vision import VisionTransformer
+from dhp.models.qwen3_vl.text import TextModel, text_inputs
+from dhp.models.qwen3_vl.vision import VisionTransformer, output_names
 from dhp.models.qwen3_vl.weights import WEIGHTS, load_into, read_hf_config
-from dhp.models.spec import Encoder, LanguageModel, ParallelizeOptions, SampleInfo
+from dhp.models.spec import Encoder, Input, LanguageModel, ParallelizeOptions, SampleInfo
 from dhp.ops.attention import host_metadata
 
 VISION_STEP = 8  # vision blocks per depth step of the planner's shallow copies
@@ -69,12 +70,17 @@ def depth_variants(module_name: str, model_cfg: Qwen3VLConfig) -> tuple[list[Any
 
 
 class Vision(Qwen25Vision):
-    """The vision encoder, its merger and DeepStack mergers: images and video frames into packed vision tokens."""
+    """The vision encoder, its merger and DeepStack mergers: images and video frames into vision tokens, each
+    with its named outputs (the embeddings and the DeepStack features)."""
 
     projector_prefixes = ("merger.", "deepstack_merger_list.")
 
     def build(self, model_cfg: Qwen3VLConfig) -> VisionTransformer:
         return VisionTransformer(model_cfg.vision)
+
+    def outputs(self, model_cfg: Qwen3VLConfig) -> tuple[str, ...]:
+        """The merged embeddings, then one DeepStack feature per ``deepstack_visual_indexes`` entry."""
+        return output_names(model_cfg.vision)
 
     def parallelize(self, module: VisionTransformer, par: Any, opts: ParallelizeOptions) -> None:
         """1. Ulysses SP (every block all-to-alls) or TP (the uniform-TP baseline), 2.-3. the defaults:
@@ -96,9 +102,9 @@ class Vision(Qwen25Vision):
         return depth_variants(self.name, model_cfg)
 
     def encode(self, module: VisionTransformer, samples: list, par: Any,
-               device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (packed embeddings [n, (1 + K) * D] of this rank's vision tokens, their index among the batch's
-        (host): all of them in order, or under SP this rank's contiguous slice.
+               device: torch.device | str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """-> (named outputs ``{name: [n, D]}`` of this rank's vision tokens (``outputs``), their index among the
+        batch's (host): all of them in order, or under SP this rank's contiguous slice.
 
         Each sample's inputs in the family's order: its images, then its video clips."""
         patch_dim = module.cfg.patch_dim
@@ -110,7 +116,7 @@ class Vision(Qwen25Vision):
         if par is None or par.inner_kind != "sp":
             out = module(pixels, grid)
             with host_metadata():
-                return out, torch.arange(out.shape[0])
+                return out, torch.arange(next(iter(out.values())).shape[0])
         from dhp.models.qwen3_vl.sequence_parallel import shard_vision, sp_forward
 
         with host_metadata():
@@ -125,10 +131,14 @@ VISION = Vision()
 
 
 class Text(Qwen25Text):
-    """The language model and its head; DeepStack features arrive packed with the vision embeddings."""
+    """The language model and its head; DeepStack features arrive beside the vision embeddings, by name."""
 
     def build(self, model_cfg: Qwen3VLConfig) -> TextModel:
         return TextModel(model_cfg.text, model_cfg.image_token_id, model_cfg.deepstack_levels)
+
+    def inputs(self, model_cfg: Qwen3VLConfig) -> tuple[Input, ...]:
+        """The main embeddings at the placeholders; DeepStack feature i added after decoder layer i."""
+        return text_inputs(model_cfg.deepstack_levels)
 
     def parallelize(self, module: TextModel, par: Any, opts: ParallelizeOptions) -> None:
         """1. TP (with Megatron SP: DeepStack rows added on each rank's sequence shard), 2.-3. the defaults:

@@ -108,7 +108,8 @@ def vision_block_plan(hidden_size: int) -> dict[str, ParallelStyle]:
 
 def parallelize_vision_tp(model: VisionTransformer, tp_mesh: DeviceMesh) -> None:
     """Uniform-TP baseline: shard every vision block over ``tp_mesh`` (1-D); the rest stays replicated. Inputs
-    and the output (packed ``[N/4, (1 + K) D]``) are full and equal on every rank."""
+    and the outputs (the named ``[N/4, D]`` tensors: main embeddings and DeepStack features) are full and equal
+    on every rank."""
     if tp_mesh.ndim != 1:
         raise ValueError(f"tensor parallelism expects a 1-D mesh (the TP dimension), got {tp_mesh.ndim}-D")
     cfg, tp = model.cfg, tp_mesh.size()

@@ -56,9 +56,11 @@ def shard_vision(grid_thw: torch.Tensor, cfg: VisionConfig, sp: int) -> list[Vis
             for r, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True))]
 
 
-def to_image_order(pieces: list[torch.Tensor], shards: list[VisionShard]) -> torch.Tensor:
-    """Every rank's rows ``[S_r/4, W]`` back into the replica's order ``[N/4, W]`` (the slices are in order)."""
-    return torch.cat([p for p, _ in sorted(zip(pieces, shards, strict=True), key=lambda ps: ps[1].rank)])
+def to_image_order(pieces: list[dict[str, torch.Tensor]], shards: list[VisionShard]) -> dict[str, torch.Tensor]:
+    """Every rank's named rows ``{name: [S_r/4, D]}`` back into the replica's order ``{name: [N/4, D]}`` (the
+    slices are in order)."""
+    ordered = [p for p, _ in sorted(zip(pieces, shards, strict=True), key=lambda ps: ps[1].rank)]
+    return {name: torch.cat([p[name] for p in ordered]) for name in ordered[0]}
 
 
 def parallelize_vision_sp(model: VisionTransformer, group: dist.ProcessGroup | None) -> None:
@@ -69,8 +71,8 @@ def parallelize_vision_sp(model: VisionTransformer, group: dist.ProcessGroup | N
 
 
 def sp_forward(model: VisionTransformer, pixel_values: torch.Tensor, shard: VisionShard,
-               group: dist.ProcessGroup | None) -> torch.Tensor:
-    """This rank's slice through the encoder -> packed ``[S_local/4, (1 + K) * D]`` (rows: ``merged_index``).
+               group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """This rank's slice through the encoder -> named ``{name: [S_local/4, D]}`` (rows: ``merged_index``).
     ``pixel_values`` are the replica's packed patches [N, patch_dim]; only this rank's rows are embedded."""
     if not all(isinstance(b.attn.__dict__.get("attend"), UlyssesAttention) for b in model.blocks):
         raise RuntimeError("sp_forward needs parallelize_vision_sp(model, group) first")

@@ -10,10 +10,11 @@ Interleaved M-RoPE: rotary frequency j takes its angle from the height position 
 ``j < 3 * mrope_section[1]``), from the width when ``j % 3 == 2`` (``j < 3 * mrope_section[2]``), else from
 the temporal one; Qwen2.5-VL's M-RoPE gives each axis one contiguous chunk instead.
 
-DeepStack arrives with the embeddings: each value of ``media`` is ``[n, (1 + K) * D]`` (the vision encoder's
-``pack``: the main embeddings, then the K features), so the module takes both from the ``media`` dict the engine
-already passes. Everything else (packing, placeholder slots from ``PackedMeta``, the chunked and labelled-rows
-loss) is Qwen2.5-VL's ``TextModel``, which this subclasses.
+DeepStack arrives with the embeddings, by name: each value of ``media`` is the vision encoder's named outputs
+``{"embeds": [n, D], "deepstack_0": [n, D], ...}``, which the family declares as this module's ``inputs``
+(``text_inputs``: the main embeddings at the placeholders, feature i after layer i), so the router moves each part
+as its own tensor and returns the gradient of each. Everything else (packing, placeholder slots from
+``PackedMeta``, the chunked and labelled-rows loss) is Qwen2.5-VL's ``TextModel``, which this subclasses.
 """
 
 from __future__ import annotations
@@ -30,11 +31,22 @@ from dhp.models.qwen2_5_vl.text import DecoderLayer as Qwen25DecoderLayer
 from dhp.models.qwen2_5_vl.text import Media, MRotary
 from dhp.models.qwen2_5_vl.text import TextModel as Qwen25TextModel
 from dhp.models.qwen3_vl.config import TextConfig
-from dhp.models.qwen3_vl.vision import split_deepstack
+from dhp.models.qwen3_vl.vision import deepstack_names
+from dhp.models.spec import EMBEDS, Input
 from dhp.ops.attention import Segments, has_values, host_metadata
 
 if TYPE_CHECKING:
     from dhp.data.batch import PackedMeta
+
+
+def text_inputs(levels: int) -> tuple[Input, ...]:
+    """What the language model consumes: the main embeddings at the placeholder tokens, then DeepStack feature
+    i added at the same positions after decoder layer i (``TextModel.hidden_states``)."""
+    return (Input(EMBEDS), *(Input(name, after_layer=i) for i, name in enumerate(deepstack_names(levels))))
+
+
+def input_names(levels: int) -> tuple[str, ...]:
+    return tuple(i.name for i in text_inputs(levels))
 
 
 class InterleavedMRotary(MRotary):
@@ -84,31 +96,36 @@ class TextModel(Qwen25TextModel):
         super().__init__(cfg, image_token_id)  # type: ignore[arg-type]  (Qwen3's TextConfig: the same fields)
         self.deepstack_levels = deepstack_levels
 
-    def split_media(self, media: Media) -> tuple[Media, list[dict[int, Any]]]:
-        """Packed ``media`` -> (the main embeddings, as ``embed`` takes them; per DeepStack level
-        ``{placeholder id: feature [n, D]}``).
+    def route_media(self, media: Media) -> tuple[Media, list[dict[int, Any]]]:
+        """``media`` as the engine hands it over (``{placeholder id: {output name: [n, D]}}``, the vision
+        encoder's named outputs) -> (the main embeddings, as ``embed`` takes them; per DeepStack level
+        ``{placeholder id: feature [n, D]}``), each part looked up by its name (``input_names``).
 
-        A sequence slice's value (Megatron SP: ``(embeddings [m, (1 + K) D] or None, flat positions [m])``) is
-        split the same way, each part keeping the positions: ``(main [m, D], positions)`` for ``embed``,
-        ``(feature [m, D], positions)`` per level for ``add_deepstack``."""
+        A sequence slice's value (Megatron SP: ``({name: [m, D]} or None, flat positions [m])``) is routed the
+        same way, each part keeping the positions: ``(main [m, D], positions)`` for ``embed``,
+        ``(feature [m, D], positions)`` per level for ``add_deepstack``. A plain tensor is the main embeddings
+        alone, which only a model without DeepStack levels takes."""
         if media is None:
             return None, []
         if isinstance(media, torch.Tensor):
             media = {self.image_token_id: media}
+        names = input_names(self.deepstack_levels)
         main: dict = {}
         levels: list[dict[int, Any]] = [{} for _ in range(self.deepstack_levels)]
         for token_id, value in media.items():
-            embeds, positions = value if isinstance(value, tuple) else (value, None)
-            if embeds is None:
+            named, positions = value if isinstance(value, tuple) else (value, None)
+            if named is None:
                 main[token_id] = None if positions is None else (None, positions)
                 continue
-            if embeds.shape[-1] != (1 + self.deepstack_levels) * self.cfg.hidden_size:
-                raise ValueError(f"placeholder id {token_id}: embeddings of width {embeds.shape[-1]}, expected "
-                                 f"(1 + {self.deepstack_levels} DeepStack levels) x {self.cfg.hidden_size}")
-            first, features = split_deepstack(embeds, self.cfg.hidden_size)
-            main[token_id] = first if positions is None else (first, positions)
-            for level, feature in zip(levels, features, strict=True):
-                level[token_id] = feature if positions is None else (feature, positions)
+            if isinstance(named, torch.Tensor):
+                named = {names[0]: named}
+            missing = [n for n in names if n not in named]
+            if missing:
+                raise ValueError(f"placeholder id {token_id}: the vision outputs {sorted(named)} lack {missing} "
+                                 f"(this language model takes {list(names)})")
+            main[token_id] = named[names[0]] if positions is None else (named[names[0]], positions)
+            for level, name in zip(levels, names[1:], strict=True):
+                level[token_id] = named[name] if positions is None else (named[name], positions)
         return main, levels
 
     def hidden_states(
@@ -119,18 +136,19 @@ class TextModel(Qwen25TextModel):
         cu_seqlens: Segments | torch.Tensor | None = None,
         meta: PackedMeta | None = None,
     ) -> torch.Tensor:
-        """The final norm's output [B, L, D]; ``media`` values packed as the vision encoder emits them."""
+        """The final norm's output [B, L, D]; ``media`` values the vision encoder's named outputs."""
         segments = self.segments(input_ids, cu_seqlens, meta)
-        main, levels = self.split_media(media)
+        main, levels = self.route_media(media)
         placeholders = None if meta is None else meta.placeholders
         x = self.embed(input_ids, main) if meta is None else self.embed(input_ids, main, placeholders)
         rows = {tid: self._rows(input_ids, tid, placeholders)
                 for tid, feature in (levels[0].items() if levels else ()) if not isinstance(feature, tuple)}
         rope = self.rotary(position_ids)
+        after = {inp.after_layer: k for k, inp in enumerate(text_inputs(len(levels))[1:])}  # layer -> level
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, segments)
-            if i < len(levels):
-                x = self.add_deepstack(x, levels[i], rows)
+            if i in after:
+                x = self.add_deepstack(x, levels[after[i]], rows)
         return self.norm(x)
 
     def add_deepstack(self, x: torch.Tensor, features: dict[int, Any], rows: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -8,10 +8,10 @@ pixel_values [N, C*T*P*P] (N patches of all images/frames, each in 2x2 merge-blo
   -> merger (LayerNorm, 2x2 -> 1, MLP)                          [N/4, D_text]
 
 Why no window permutation (unlike Qwen2.5-VL): every block attends over a whole image or frame, so tokens stay in
-image order and the only segments are frames. ``forward`` returns the main embeddings and the DeepStack features
-side by side in one tensor ``[N/4, (1 + K) * D]`` (``pack``): one tensor per sample, so a router that moves one
-embedding tensor per sample moves the DeepStack features and brings their gradients back with no change;
-``split_deepstack`` takes it apart on the language side.
+image order and the only segments are frames. ``forward`` returns the named outputs ``{"embeds": main [N/4, D],
+"deepstack_0": feature 0 [N/4, D], ...}`` (``output_names``): the family declares the same names as its vision
+encoder's ``outputs`` and its language model's ``inputs``, so the router moves each as its own tensor and brings
+the gradient of each back by name (``docs/families.md``).
 
 The patch embedding (with a bias here), the 2D rotary and the attention are Qwen2.5-VL's classes, reused.
 """
@@ -29,6 +29,7 @@ from torch import nn
 from dhp.models.qwen2_5_vl.vision import PatchEmbed as Qwen25PatchEmbed
 from dhp.models.qwen2_5_vl.vision import VisionAttention, VisionRotary, reset_rotary_buffers
 from dhp.models.qwen3_vl.config import VisionConfig
+from dhp.models.spec import EMBEDS
 from dhp.ops.attention import Segments, host_metadata
 from dhp.parallel.ulysses import UlyssesSegments
 
@@ -126,8 +127,19 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
+def deepstack_names(levels: int) -> tuple[str, ...]:
+    """The names of the K DeepStack features among the vision outputs: ``deepstack_0`` ... (level i: the merger
+    after block ``deepstack_visual_indexes[i]``, added after decoder layer i)."""
+    return tuple(f"deepstack_{i}" for i in range(levels))
+
+
+def output_names(cfg: VisionConfig) -> tuple[str, ...]:
+    """The vision encoder's named outputs: the merged embeddings, then the DeepStack features."""
+    return (EMBEDS, *deepstack_names(len(cfg.deepstack_visual_indexes)))
+
+
 class VisionTransformer(nn.Module):
-    """Patches -> ``[N/4, (1 + K) * D]``: the merged embeddings, then the K DeepStack features (``pack``)."""
+    """Patches -> ``{name: [N/4, D]}``: the merged embeddings, then the K DeepStack features (``output_names``)."""
 
     attention_kernel: str = "auto"  # packed_attention's kernel (train.attention)
 
@@ -142,23 +154,23 @@ class VisionTransformer(nn.Module):
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(cfg, postshuffle=True) for _ in cfg.deepstack_visual_indexes)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """pixel_values [N, patch_dim], grid_thw [I, 3] -> [N/4, (1 + K) * out_hidden_size], image order."""
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
+        """pixel_values [N, patch_dim], grid_thw [I, 3] -> {name: [N/4, out_hidden_size]}, image order."""
         with host_metadata():
             layout = vision_layout(grid_thw.cpu().long(), self.cfg)
         return self.encode(pixel_values, layout)
 
     def encode_rows(self, pixel_values: torch.Tensor, rows: torch.Tensor, layout: VisionLayout,
-                    segments: UlyssesSegments) -> torch.Tensor:
+                    segments: UlyssesSegments) -> dict[str, torch.Tensor]:
         """A sequence-parallel rank's slice: ``pixel_values[rows]`` (whole merge units, image order) with its
-        ``layout`` rows and the batch's ``UlyssesSegments`` -> ``[len(rows)/4, (1 + K) * D]``. One entry point
+        ``layout`` rows and the batch's ``UlyssesSegments`` -> ``{name: [len(rows)/4, D]}``. One entry point
         (FSDP registers it as a forward method)."""
         return self.encode(pixel_values[rows.to(pixel_values.device)], layout, segments)
 
     def encode(self, pixel_values: torch.Tensor, layout: VisionLayout,
-               segments: UlyssesSegments | None = None) -> torch.Tensor:
-        """Patches [S, patch_dim] with their layout rows -> packed [S/4, (1 + K) * D]; ``segments``: the whole
-        batch's frames and every rank's share (sequence parallel), else ``layout.cu_seqlens``."""
+               segments: UlyssesSegments | None = None) -> dict[str, torch.Tensor]:
+        """Patches [S, patch_dim] with their layout rows -> ``{name: [S/4, D]}`` (``output_names``); ``segments``:
+        the whole batch's frames and every rank's share (sequence parallel), else ``layout.cu_seqlens``."""
         x = self.patch_embed(pixel_values)  # [S, C_v]
         dev = x.device
         table = self.pos_embed(layout.interp_index.to(dev))  # [N, 4, C_v]
@@ -176,21 +188,8 @@ class VisionTransformer(nn.Module):
             x = block(x, segments, rope)
             if i in levels:
                 features[levels[i]] = self.deepstack_merger_list[levels[i]](x)
-        return pack(self.merger(x), features)
-
-
-def pack(main: torch.Tensor, deepstack: list[torch.Tensor]) -> torch.Tensor:
-    """``[n, D]`` and K x ``[n, D]`` -> ``[n, (1 + K) * D]`` (main first)."""
-    return torch.cat([main, *deepstack], dim=-1) if deepstack else main
-
-
-def split_deepstack(embeds: torch.Tensor, width: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``[n, (1 + K) * width]`` -> (main ``[n, width]``, K x ``[n, width]``); a clear error on a wrong width."""
-    if embeds.shape[-1] % width:
-        raise ValueError(f"vision embeddings of width {embeds.shape[-1]} are not (1 + DeepStack levels) x {width}")
-    main, *deepstack = embeds.split(width, dim=-1)
-    return main, deepstack
+        return dict(zip(output_names(self.cfg), [self.merger(x), *features], strict=True))
 
 
 __all__ = ["PatchEmbed", "PatchMerger", "VisionAttention", "VisionBlock", "VisionLayout", "VisionRotary",
-           "VisionTransformer", "pack", "reset_rotary_buffers", "split_deepstack", "vision_layout"]
+           "VisionTransformer", "deepstack_names", "output_names", "reset_rotary_buffers", "vision_layout"]

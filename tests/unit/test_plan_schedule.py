@@ -1,0 +1,85 @@
+"""The runtime's step replayed (``dhp.plan.schedule``): closed forms of the driver's order, processor sharing
+and the round trips (the script against the Ray backend's own trace: ``tests/distributed/test_bench.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dhp.plan.schedule import Call, Lane, driver_script, replay
+
+WORK = {"forward": 1.0, "backward": 2.0, "forward_backward": 3.0}
+
+
+def work(c: Call) -> float:
+    return WORK.get(c.kind, 0.0)
+
+
+def own_pools() -> tuple[dict[str, Lane], dict[str, float]]:
+    return {"vision": Lane("vision"), "text": Lane("text")}, {"vision": 1.0, "text": 1.0}
+
+
+def spans_of(rep, group: str) -> list[tuple[str, int, float, float]]:
+    return [(c.kind, c.round, s, e) for c, s, e in rep.spans if c.group == group and c.kind in WORK]
+
+
+def test_disaggregated_encoders_one_round_ahead() -> None:
+    """F0 [0,1], F1 [1,2] under T0 [1,4]; B0 [4,6]; T1 [4,7]; B1 [7,9]: 9 s, each group busy 6."""
+    rep = replay(driver_script(2, ["vision"], "text", ahead=1), *own_pools(), work)
+    assert rep.step_s == pytest.approx(9.0)
+    assert spans_of(rep, "vision") == [("forward", 0, 0, 1), ("forward", 1, 1, 2), ("backward", 0, 4, 6),
+                                       ("backward", 1, 7, 9)]
+    assert spans_of(rep, "text") == [("forward_backward", 0, 1, 4), ("forward_backward", 1, 4, 7)]
+    assert rep.busy_s == pytest.approx({"vision": 6.0, "text": 6.0})
+    assert rep.idle_s == pytest.approx({"vision": 3.0, "text": 3.0})
+    assert rep.critical_path == "vision -> text -> vision"
+
+
+def test_disaggregated_without_running_ahead_serializes_the_groups() -> None:
+    """ahead 0: the next forward is submitted after the backward, so it queues behind it: 12 s."""
+    rep = replay(driver_script(2, ["vision"], "text", ahead=0), *own_pools(), work)
+    assert rep.step_s == pytest.approx(12.0)
+    assert spans_of(rep, "vision") == [("forward", 0, 0, 1), ("backward", 0, 4, 6), ("forward", 1, 6, 7),
+                                       ("backward", 1, 10, 12)]
+
+
+def test_a_shared_pool_splits_its_capacity_between_running_calls() -> None:
+    """Both lanes on one pool of capacity 1: F1 and T0 share [1,3] at half rate, T0 ends at 5; B0 and T1 share
+    [5,9], T1 ends at 10; B1 [10,12]."""
+    lanes, pools = {"vision": Lane("host"), "text": Lane("host")}, {"host": 1.0}
+    rep = replay(driver_script(2, ["vision"], "text", ahead=1), lanes, pools, work)
+    assert rep.step_s == pytest.approx(12.0)
+    assert spans_of(rep, "text") == [("forward_backward", 0, 1, 5), ("forward_backward", 1, 5, 10)]
+    assert spans_of(rep, "vision")[1] == ("forward", 1, 1, 3)
+    assert spans_of(rep, "vision")[2] == ("backward", 0, 5, 9)
+    # a pool of two: no slowdown, the disaggregated figures
+    lanes = {"vision": Lane("host"), "text": Lane("host")}
+    assert replay(driver_script(2, ["vision"], "text", ahead=1), lanes, {"host": 2.0}, work).step_s == \
+        pytest.approx(9.0)
+
+
+def test_every_call_pays_the_round_trip() -> None:
+    """One round, ahead 0, round trip c: forward, forward_backward, backward, finish_gradients and step each wait
+    for the one before through the driver: 6 + 5c."""
+    c = 0.25
+    rep = replay(driver_script(1, ["vision"], "text"), *own_pools(), work, call_s=c)
+    assert rep.step_s == pytest.approx(6.0 + 5 * c)
+
+
+def test_the_ray_data_plane_adds_the_router_calls_in_the_backends_order() -> None:
+    script = driver_script(1, ["vision", "audio"], "text", data_plane="ray")
+    flat = [(a.op, c.group, c.kind, c.source) for a in script for c in a.calls]
+    assert flat[:8] == [("submit", "vision", "forward", ""), ("submit", "audio", "forward", ""),
+                        ("submit", "vision", "emit", ""), ("submit", "audio", "emit", ""),
+                        ("wait", "vision", "forward", ""), ("wait", "audio", "forward", ""),
+                        ("wait", "vision", "emit", ""), ("wait", "audio", "emit", "")]
+    assert ("submit", "text", "emit_grads", "vision") in flat and ("submit", "text", "emit_grads", "audio") in flat
+    assert flat[-3:] == [("wait", g, "step", "") for g in ("vision", "audio", "text")]
+    frozen = driver_script(1, ["vision"], "text", trains={"vision": False})
+    assert not any(c.kind == "backward" for a in frozen for c in a.calls)
+
+
+def test_collocated_window_encodes_every_round_of_the_window_first() -> None:
+    script = driver_script(4, ["vision"], "text", window=2)
+    order = [(c.kind, c.round) for a in script if a.op == "submit" for c in a.calls if c.kind in WORK]
+    assert order[:3] == [("forward", 0), ("forward", 1), ("forward_backward", 0)]
+    assert order.index(("forward", 2)) > order.index(("forward_backward", 1))
