@@ -20,8 +20,9 @@ a device profile (``dhp.plan.profile``: measured by ``dhp plan calibrate``, else
 collectives as alpha + bytes / beta, FSDP2's overlapped with the compute where the device has streams
 (``dhp.plan.costs``). Per step a group runs its replica's micro-batches, its gradient reduction and its
 optimizer step (the ops the fake run dispatched for them). Router bytes (the encoders' embeddings and their
-gradients) cross the router's link once per micro-batch. Collocated groups take turns (the sum); disaggregated
-groups overlap (the larger, plus one micro-batch of the quickest to fill the pipeline). A collocated GPU holds,
+gradients) cross the router's link once per micro-batch. The step is the runtime's own order replayed
+(``dhp.plan.schedule``: the Ray backend's calls from ``schedule_turns``, the trainer's batch plan, groups sharing
+their pools while they run at once, every call's round trip). A collocated GPU holds,
 while one group runs, the other groups' weights, gradients, optimizer state and (an encoder) the activations it
 keeps for its backward. Each group may have its own device (``Pricing``: a pool of its own, the router over the
 link between pools).

@@ -137,7 +137,7 @@ def _untracked_micro_batch_peak(job: GroupJob, model_cfg: Any) -> int:
             loss.backward()
         else:
             embeds, _ = m._encoder_forward(eng, inputs)
-            embeds.backward(torch.zeros_like(embeds))
+            torch.autograd.backward(embeds, [torch.zeros_like(t) for t in embeds])  # every named output
     return st.peak
 
 

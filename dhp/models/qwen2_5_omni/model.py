@@ -54,8 +54,11 @@ class Qwen2_5OmniThinker(nn.Module):
                       pixel_values_videos: torch.Tensor | None = None,
                       video_grid_thw: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
         """``{image_token_id: [n, D], video_token_id: [m, D]}`` (absent ones left out): Qwen2.5-VL's code, which
-        reads only ``self.visual`` and the config attributes this config shares with Qwen2_5_VLConfig."""
+        reads only ``self.visual``, ``split_vision`` and the config attributes this config shares with
+        Qwen2_5_VLConfig."""
         return Qwen2_5_VL.encode_vision(self, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+
+    split_vision = Qwen2_5_VL.split_vision  # one output per vision token, as Qwen2.5-VL's
 
     def encode_audio(self, features: torch.Tensor | None, feature_lens: torch.Tensor | None
                      ) -> dict[int, torch.Tensor]:
