@@ -173,7 +173,7 @@ def run_plan(args: Any) -> int:
 
     if args.model == "calibrate":
         return run_calibrate(args)
-    if not args.gpus:
+    if not args.gpus and not getattr(args, "published", False):  # --published sets its own 8 GPUs
         raise UsageError("dhp plan MODEL: give --gpus N (the GPUs to lay the model out on)")
     try:
         family, model_cfg = model_config(args.model, getattr(args, "family", None))

@@ -209,4 +209,20 @@ def _critical(runs: dict[Call, _Run], last: Call | None) -> str:
         if not chain or chain[-1] != last.group:
             chain.append(last.group)
         last = runs[last].after
-    return " -> ".join(reversed(chain))
+    return _compact(list(reversed(chain)))
+
+
+def _compact(chain: list[str]) -> str:
+    """``a -> b -> a -> b -> a -> b -> a`` as ``(a -> b) x 3 -> a``: a chain of many rounds stays readable."""
+    out, i = [], 0
+    while i < len(chain):
+        n = 1
+        while i + 2 * n + 1 < len(chain) + 1 and chain[i + 2 * n:i + 2 * n + 2] == chain[i:i + 2]:
+            n += 1
+        if n >= 3 and i + 1 < len(chain):
+            out.append(f"({chain[i]} -> {chain[i + 1]}) x {n}")
+            i += 2 * n
+        else:
+            out.append(chain[i])
+            i += 1
+    return " -> ".join(out)

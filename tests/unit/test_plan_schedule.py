@@ -83,3 +83,10 @@ def test_collocated_window_encodes_every_round_of_the_window_first() -> None:
     order = [(c.kind, c.round) for a in script if a.op == "submit" for c in a.calls if c.kind in WORK]
     assert order[:3] == [("forward", 0), ("forward", 1), ("forward_backward", 0)]
     assert order.index(("forward", 2)) > order.index(("forward_backward", 1))
+
+
+def test_a_long_critical_path_is_written_compactly() -> None:
+    """Collocated-like serial rounds (ahead 0): the path alternates; repeats are written once with a count."""
+    rep = replay(driver_script(6, ["vision"], "text"), *own_pools(), work)
+    assert rep.critical_path.startswith("(vision -> text) x ") and rep.critical_path.endswith("vision")
+    assert rep.step_s == pytest.approx(6 * 6.0)
