@@ -47,9 +47,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn: Callable[[], Any], device: str = "cpu", reps: int = 3, warmup: int = 1) -> float:
+def timed(fn: Callable[[], Any], device: str = "cpu", reps: int = 3, warmup: int = 1,
+          stat: Callable[[list[float]], float] = min) -> float:
     """The least seconds of ``fn`` over ``reps`` runs after ``warmup`` (the least: other processes on a shared
-    machine only ever add time)."""
+    machine only ever add time); ``stat``: another statistic of the runs (``statistics.median``: what a run that
+    waits on other processes pays, as a Ray call does)."""
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -59,7 +61,7 @@ def timed(fn: Callable[[], Any], device: str = "cpu", reps: int = 3, warmup: int
         fn()
         _sync(device)
         out.append(time.perf_counter() - t0)
-    return min(out)
+    return stat(out)
 
 
 FLOAT32_BYTES = torch.finfo(torch.float32).bits // 8
@@ -193,13 +195,10 @@ def _dtensor_op_s(world: int, loops: int = 300) -> float:
     pairs = [(lambda: x + x, lambda: lx + lx), (lambda: x * 2.0, lambda: lx * 2.0),
              (lambda: x.view(-1, 8), lambda: lx.view(-1, 8)), (lambda: x.t(), lambda: lx.t()),
              (lambda: x @ w, lambda: lx @ lw)]
-    extra = []
-    for dt, local in pairs:
-        def many(fn: Callable[[], Any]) -> Callable[[], None]:
-            return lambda: [fn() for _ in range(loops)]
+    def many(fn: Callable[[], Any]) -> Callable[[], None]:
+        return lambda: [fn() for _ in range(loops)]
 
-        extra.append(max(0.0, (timed(many(dt)) - timed(many(local))) / loops))
-    return statistics.mean(extra)
+    return statistics.mean(max(0.0, (timed(many(dt)) - timed(many(local))) / loops) for dt, local in pairs)
 
 
 def _timed_collective(fn: Callable[[], Any], reps: int = 9) -> float:
@@ -297,13 +296,7 @@ def measure_runtime(sizes: list[int], reps: int = 15) -> tuple[float, Collective
         ray.get([a.noop.remote(), b.noop.remote()])
 
         def median(fn: Callable[[], Any]) -> float:
-            fn()
-            out = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-            return statistics.median(out)
+            return timed(fn, reps=reps, stat=statistics.median)
 
         call = median(lambda: ray.get(a.noop.remote()))
         points = [(float(n), max(1e-7, median(lambda n=n: ray.get(b.take.remote(a.make.remote(n)))) - 2 * call))

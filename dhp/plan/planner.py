@@ -338,6 +338,13 @@ class Pricing:
             f"; {self.link.name}" if self.link else "")
 
 
+def data_plane(row: Row) -> str:
+    """How the row's router moves tensors, as the runtime resolves ``runtime.transport=auto``
+    (``dhp.runtime.cluster.resolve_data_plane``): point-to-point between disaggregated groups, through Ray
+    (object store on CPU, CUDA IPC handles on a shared GPU: Ray calls either way) between collocated ones."""
+    return "p2p" if row.placement == "disaggregated" else "ray"
+
+
 def _pools(row: Row, pricing: Pricing, gpus: int) -> tuple[dict[str, Lane], dict[str, float]]:
     """The replay's lanes and pools: a CPU profile's groups share the host's cores (each rank its threads); on
     GPUs collocated groups share the GPUs, disaggregated ones have their own."""
@@ -373,7 +380,6 @@ def replay_row(row: Row, costs: dict[str, GroupCost], pricing: Pricing, gpus: in
                         encoder_window=window).plan(0)
     busiest = {(e, j): max(len(p) for p in rnd.replicas(e)) for e in encoders for j, rnd in enumerate(plan.rounds)}
     ahead = row.encoders_ahead if row.placement == "disaggregated" else 0
-    data_plane = "p2p" if row.placement == "disaggregated" else "ray"
 
     def work(c: Call) -> float:
         g = costs[c.group]
@@ -390,7 +396,7 @@ def replay_row(row: Row, costs: dict[str, GroupCost], pricing: Pricing, gpus: in
         return 0.0  # emit, emit_grads: the router's transfer is priced in the calls that make and take it
 
     lanes, pools = _pools(row, pricing, gpus)
-    script = driver_script(len(plan.rounds), encoders, language, plan.window, ahead, data_plane=data_plane)
+    script = driver_script(len(plan.rounds), encoders, language, plan.window, ahead, data_plane=data_plane(row))
     call_s = max(pricing.of(k).actor_call_s for k in jobs)
     return replay(script, lanes, pools, work, call_s)
 
@@ -407,8 +413,8 @@ def evaluate(row: Row, results: dict[GroupJob, GroupResult], dev: Device, gpus: 
     language = family.language.name
     samples = samples or gpus * next(iter(row.jobs.values())).micro_batch_size
     res = {k: results[j] for k, j in row.jobs.items()}
-    data_plane = "p2p" if row.placement == "disaggregated" else "ray"
-    costs = {k: group_cost(row.jobs[k], res[k], pricing.of(k), samples, pricing.link, data_plane) for k in row.jobs}
+    costs = {k: group_cost(row.jobs[k], res[k], pricing.of(k), samples, pricing.link, data_plane(row))
+             for k in row.jobs}
     rep = replay_row(row, costs, pricing, gpus, samples, language)
     step, path = rep.step_s, rep.critical_path
     resident = {k: r.weights + r.grads + r.optimizer + (r.retained if k != language else 0) for k, r in res.items()}
