@@ -9,7 +9,9 @@ Layouts (4 workers): bench's three (dhp: vision SP 2 + text TP 2, disaggregated;
 ZeRO-3 over 2 + 2), and two of this benchmark's: ``colloc``, vision SP 2 + text TP 2 on the same 2 workers
 (collocated), ``tp_text_dp``, vision DP 2 (ZeRO-1) + text TP 2, disaggregated, and ``ahead0``: dhp's layout with
 ``runtime.encoders_ahead=0`` (bench's layouts run one round ahead). Per layout and group it also prints the busy
-share of the step, measured (the workers' own phase times) against the replay's (``dhp.plan.schedule``).
+share of the step, measured (the workers' own phase times) against the replay's (``dhp.plan.schedule``), and
+the profile's accuracy terms it priced them with: a 256 KB all-reduce by each path (``c10d``, DTensor's
+functional collectives) and a collective's peer wait on the oversubscribed host (``contention_wait_s``).
 
     .venv/bin/python benchmarks/plan_check.py [--quick] [--steps 3] [--out /tmp/plan_check] [--measured bench.json]
 """
@@ -49,6 +51,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     prof = calibrate("cpu", quick=args.quick, log=print, threads=1)  # a CPU Ray worker runs one thread
     prof.save(out / "cpu_profile.json")
+    terms = profile_terms(prof)
+    print("profile terms: " + ", ".join(f"{k} {v * 1e3:.3f} ms" if k.endswith("_s") else f"{k} {v:.2f}"
+                                        for k, v in terms.items()))
     overrides = [f"output.dir={out / 'bench'}", "runtime.cpus_per_worker=0.5"]
     layouts = parse_layouts(args.layouts, 4)
     if args.measured:
@@ -70,8 +75,19 @@ def main() -> None:
     by_meas = sorted(rows, key=lambda n: rows[n][1])
     print(f"ranking, fastest first: predicted {by_pred}; measured {by_meas}; "
           f"{'agree' if by_pred == by_meas else 'differ'}")
-    (out / "plan_check.json").write_text(json.dumps({"profile": prof.label, "rows": rows, "busy_share": busy,
+    (out / "plan_check.json").write_text(json.dumps({"profile": prof.label, "terms": terms, "rows": rows,
+                                                     "busy_share": busy,
                                                      "predicted_order": by_pred, "measured_order": by_meas}, indent=1))
+
+
+def profile_terms(prof: Any, nbytes: int = 2**18) -> dict[str, float]:
+    """The profile's CPU accuracy terms: an all-reduce of ``nbytes`` over 2 ranks by each path, and a collective's
+    peer wait on an oversubscribed host at the calibration's processes per core."""
+    from dhp.plan.profile import C10D, FUNCTIONAL
+
+    return {"all_reduce_256KB_c10d_s": prof.collective_s("all_reduce", 2, nbytes, 1, C10D),
+            "all_reduce_256KB_functional_s": prof.collective_s("all_reduce", 2, nbytes, 1, FUNCTIONAL),
+            "contention_wait_s": prof.contention_wait_s, "contention_ratio": prof.contention_ratio}
 
 
 def predict_layouts(layouts: dict, overrides: list[str], out: Path, steps: int, warmup: int, prof: Any) -> dict:

@@ -37,6 +37,8 @@ from dhp.config import Config, ConfigError, load_config
 from dhp.plan.search import Growth, grow
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from dhp.plan.measure import GroupJob
 
 GiB = 1024**3
@@ -346,7 +348,8 @@ def _free_port() -> int:
 
 
 def _search_rank(rank: int, world: int, port: int, out: str, job: GroupJob, model_cfg: Any, family: str,
-                 budget: int, start: int, stop: int, step: int, unit: int, parent: int) -> None:
+                 budget: int, start: int, stop: int, step: int, unit: int, parent: int,
+                 cap_first: bool = False) -> None:
     """One rank of a group's search (a spawned process in a gloo group of the group's size): every probe is
     ``measure(fake=False)`` on real tensors; the group's peak is the largest rank's (all-reduced), so every
     rank takes the same next size."""
@@ -375,7 +378,7 @@ def _search_rank(rank: int, world: int, port: int, out: str, job: GroupJob, mode
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             return int(peak.item())
 
-        g = grow(probe, budget, start, stop, step)
+        g = _grow_from_cap(probe, budget, start, stop, step) if cap_first else grow(probe, budget, start, stop, step)
         if rank == 0:
             Path(out).write_text(json.dumps({"largest": g.largest, "first_failed": g.first_failed,
                                              "probes": g.probes}))
@@ -385,9 +388,22 @@ def _search_rank(rank: int, world: int, port: int, out: str, job: GroupJob, mode
     os._exit(0)  # gloo's threads do not survive interpreter finalization reliably (see tests/spawn.py)
 
 
+def _grow_from_cap(probe: Callable[[int], int], budget: int, start: int, stop: int, step: int) -> Growth:
+    """``grow``'s answer, probing ``stop`` first: a group that fits there (memory grows with the size, as ``grow``
+    takes it) needs no smaller probe; otherwise ``grow`` from ``start``, the cap's probe not run twice."""
+    first = probe(stop)
+    if first <= budget:
+        return Growth(stop, None, [(stop, first)])
+    g = grow(lambda n: first if n == stop else probe(n), budget, start, stop, step)
+    if stop not in dict(g.probes):
+        g.probes.insert(0, (stop, first))
+    return g
+
+
 def search_group(job: GroupJob, model_cfg: Any, family: str, budget: int, start: int, stop: int,
-                 step: int, unit: int) -> Growth:
-    """``grow`` over one group, run by ``job.ranks`` fresh processes in a real gloo group."""
+                 step: int, unit: int, cap_first: bool = False) -> Growth:
+    """``grow`` over one group, run by ``job.ranks`` fresh processes in a real gloo group (``cap_first``: a
+    group searched under an earlier group's answer ``stop`` probes it first, ``_grow_from_cap``)."""
     import os
     import tempfile
 
@@ -396,7 +412,7 @@ def search_group(job: GroupJob, model_cfg: Any, family: str, budget: int, start:
     with tempfile.TemporaryDirectory(prefix="dhp-maxtok-") as d:
         out = str(Path(d) / "growth.json")
         mp.start_processes(_search_rank, args=(job.ranks, _free_port(), out, job, model_cfg, family, budget, start,
-                                               stop, step, unit, os.getpid()), nprocs=job.ranks, join=True,
+                                               stop, step, unit, os.getpid(), cap_first), nprocs=job.ranks, join=True,
                            start_method="spawn")
         doc = json.loads(Path(out).read_text())
     return Growth(doc["largest"], doc["first_failed"], [tuple(p) for p in doc["probes"]])
@@ -413,14 +429,16 @@ def _combine(searches: dict[str, Growth]) -> tuple[int | None, int | None]:
 def measured_max_tokens(jobs: dict[str, GroupJob], model_cfg: Any, family: str, budget: int, start: int, stop: int,
                         step: int, unit: int) -> dict[str, Any]:
     """The groups one after another (the searched encoder's first); a later group searches only up to what the
-    earlier ones allow (a larger image could not train anyway). A group whose peak at the layout's largest was
-    not among its probes gets one more probe there, so every group's peak at the answer is a measurement."""
+    earlier ones allow (a larger image could not train anyway), that cap probed first. A group whose peak at the
+    layout's largest was not among its probes gets one more probe there, so every group's peak at the answer is a
+    measurement."""
     searches: dict[str, Growth] = {}
     cap = stop
     for name in sorted(jobs, key=lambda m: m != SEARCHED):
         if start > cap:
             break
-        searches[name] = search_group(jobs[name], model_cfg, family, budget, start, cap, step, unit)
+        searches[name] = search_group(jobs[name], model_cfg, family, budget, start, cap, step, unit,
+                                      cap_first=bool(searches))
         if searches[name].largest is None:
             break
         cap = min(cap, searches[name].largest)

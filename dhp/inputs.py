@@ -7,6 +7,7 @@ trainer: it imports no backend), so none of them imports another's file.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -165,27 +166,45 @@ def module_costs(family: Family, model_cfg: Any, dataset: SFTDataset) -> dict[st
     """Per module, each sample's cost (what the module's group balances: its forward FLOPs, ``Module.cost``); 0
     where an encoder has nothing to do. Kept beside the data set's index (``costs-KEY.npz``, keyed by the family,
     its code and the model config), so a second start does not compute them again."""
-    stored = _costs_file(family, model_cfg, dataset)
+    return {m: v.tolist() for m, v in _kept("costs", family, model_cfg, dataset, _compute_costs).items()}
+
+
+def sample_flops(family: Family, model_cfg: Any, dataset: SFTDataset,
+                 trains: dict[str, bool]) -> dict[str, list[float]]:
+    """``dhp.observe.flops.sample_flops`` of every sample of ``dataset`` (per module, its model FLOPs: forward,
+    plus backward where ``trains[module]``), from each sample's (forward, backward) FLOPs kept beside the index as
+    the costs are (``flops-KEY.npz``): a second start reads them back instead of visiting every sample."""
+    flops = _kept("flops", family, model_cfg, dataset, _compute_flops)
+    return {m.name: (flops[f"{m.name}.forward"] + (flops[f"{m.name}.backward"] if trains.get(m.name, True) else 0.0))
+            .tolist() for m in family.modules}
+
+
+def _kept(what: str, family: Family, model_cfg: Any, dataset: Any,
+          compute: Callable[[Family, Any, Any], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Per-sample figures (``compute``'s: arrays by name) of ``dataset``, read from ``WHAT-KEY.npz`` beside its
+    index when there, else computed and stored there (a read-only cache: computed at every start)."""
+    stored = _costs_file(family, model_cfg, dataset, what)
     if stored is not None and stored.is_file():
         try:
             with np.load(stored) as z:
                 if all(len(z[m]) == len(dataset) for m in z.files):
-                    return {m: z[m].tolist() for m in z.files}
+                    return {m: z[m] for m in z.files}
         except (OSError, ValueError, KeyError):
             pass  # a damaged file: computed again
-    out = _compute_costs(family, model_cfg, dataset)
+    out = compute(family, model_cfg, dataset)
     if stored is not None:
         try:
             tmp = stored.with_name(f".{stored.name}.{os.getpid()}.tmp.npz")
-            np.savez(tmp, **{m: np.asarray(v, dtype=np.float64) for m, v in out.items()})
+            np.savez(tmp, **out)
             os.replace(tmp, stored)
         except OSError:
-            pass  # a read-only cache: computed at every start
+            pass
     return out
 
 
-def _costs_file(family: Family, model_cfg: Any, dataset: Any) -> Path | None:
-    """Where the costs of ``dataset`` under this family and model config are kept, or None (no stored index)."""
+def _costs_file(family: Family, model_cfg: Any, dataset: Any, what: str = "costs") -> Path | None:
+    """Where the ``what`` figures of ``dataset`` under this family and model config are kept, or None (no stored
+    index)."""
     directory = getattr(dataset, "index_dir", None)
     if directory is None:
         return None
@@ -202,17 +221,31 @@ def _costs_file(family: Family, model_cfg: Any, dataset: Any) -> Path | None:
         for f in sorted(folder.glob("*.py")):
             code.update(f.read_bytes())
     key = json.dumps({"family": family.name, "model": stable(model_cfg), "code": code.hexdigest()}, sort_keys=True)
-    return Path(directory) / f"costs-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
+    return Path(directory) / f"{what}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
 
 
-def _compute_costs(family: Family, model_cfg: Any, dataset: SFTDataset) -> dict[str, list[float]]:
-    infos = [dataset.info(i) for i in range(len(dataset))]
-    out: dict[str, list[float]] = {}
-    for enc in family.encoders:
-        out[enc.name] = [float(enc.cost(info, model_cfg)) if enc.num_placeholders(info, model_cfg) else 0.0
-                         for info in infos]
-    lang = family.language
-    out[lang.name] = [float(lang.cost(info, model_cfg)) for info in infos]
+def _compute_costs(family: Family, model_cfg: Any, dataset: SFTDataset) -> dict[str, np.ndarray]:
+    """Each module's cost of every sample (one visit per sample: its ``info``, then every module's cost)."""
+    n = len(dataset)
+    out = {m.name: np.zeros(n, np.float64) for m in (*family.encoders, family.language)}
+    for i in range(n):
+        info = dataset.info(i)
+        for enc in family.encoders:
+            if enc.num_placeholders(info, model_cfg):
+                out[enc.name][i] = float(enc.cost(info, model_cfg))
+        out[family.language.name][i] = float(family.language.cost(info, model_cfg))
+    return out
+
+
+def _compute_flops(family: Family, model_cfg: Any, dataset: Any) -> dict[str, np.ndarray]:
+    """Each module's (forward, backward) FLOPs of every sample (``Module.flops``), as ``NAME.forward`` and
+    ``NAME.backward``."""
+    n = len(dataset)
+    out = {f"{m.name}.{part}": np.zeros(n, np.float64) for m in family.modules for part in ("forward", "backward")}
+    for i in range(n):
+        info = dataset.info(i)
+        for m in family.modules:
+            out[f"{m.name}.forward"][i], out[f"{m.name}.backward"][i] = m.flops(info, model_cfg)
     return out
 
 

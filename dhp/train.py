@@ -35,8 +35,8 @@ from dhp.data.lazy import LazyPlanner, lazy_planner, read_in_full
 from dhp.data.sampler import StepPlan
 from dhp.data.tokenizer import Tokenizer
 from dhp.errors import CheckpointError, DataError, Interrupted
-from dhp.inputs import dataset_spec, indexed_fingerprint, open_dataset, prepare
-from dhp.observe.flops import Peak, mfu, run_peak, sample_flops
+from dhp.inputs import dataset_spec, indexed_fingerprint, open_dataset, prepare, sample_flops
+from dhp.observe.flops import Peak, mfu, run_peak
 from dhp.observe.trace import TraceWriter, traced_steps
 from dhp.runtime.errors import WorkerError
 from dhp.storage import AnyPath, RunFiles, UrlPath, check_writable, download_dir, location, rmtree
@@ -446,8 +446,7 @@ class Run:
 
             require_tensorboard()  # before anything starts
         trains = {e.name: encoder_trains(self.cfg, e) for e in self.family.encoders}
-        infos = [self.dataset.info(i) for i in range(len(self.dataset))]
-        self.sample_flops = sample_flops(self.family, self.inputs.model_cfg, infos, trains)
+        self.sample_flops = sample_flops(self.family, self.inputs.model_cfg, self.dataset, trains)  # (kept: index)
         self.peaks: dict[str, Peak | None] | None = None  # per module, known after the first step
         self.trace: TraceWriter | None = None
 

@@ -150,8 +150,8 @@ class _Checker:
                 facts[kind] = tuple(found)
         if problems:
             return problems, -1, {}, {}
-        ids, _ = self.tokenizer.encode_conversation(rec.messages, self.processor.blocks(facts))
-        special = set(self.tokenizer.special_ids())
+        ids = self.tokenizer.conversation_ids(rec.messages, self.processor.blocks(facts))
+        special = self._special_ids()
         counts = {t: n for t, n in Counter(ids).items() if t in special}
         if len(ids) > self.cfg.max_length:
             hints = "".join(f"{self.processor.kind(k).shrink_hint()}, " for k in facts)
@@ -166,16 +166,20 @@ class _Checker:
         frame = "frame " if isinstance(source, list) else ""
         handle = None
         try:
-            for j, f in enumerate(files):  # (a URL is found missing when it is opened below; later frames by a HEAD)
-                if not isinstance(f, InlineMedia) and (not is_remote(f) or j > 0) and \
-                        not media_exists(f, self.media_timeout_s):
+            for f in files[1:]:  # (the first is found missing when it is opened below; later frames by a stat/HEAD)
+                if not isinstance(f, InlineMedia) and not media_exists(f, self.media_timeout_s):
                     return None, self._missing(kind, frame, f)
             media = self.processor.kind(kind)
             probe = media.probe if self.cfg.validate == "full" else media.probe_header  # (lazy: as headers)
             handle = opened(source, whole=self.cfg.validate == "full", timeout_s=self.media_timeout_s)
             return probe(handle), None
-        except (OSError, ValueError) as e:
-            return None, self._unusable(kind, frame, source, e, handle)
+        except Exception as e:
+            first = files[0]
+            if not isinstance(first, InlineMedia) and not is_remote(first) and not media_exists(first):
+                return None, self._missing(kind, frame, first)  # (looked for only when its probe failed)
+            if isinstance(e, (OSError, ValueError)):
+                return None, self._unusable(kind, frame, source, e, handle)
+            raise
 
     def _unusable(self, kind: str, frame: str, source: Any, e: Exception, handle: Any) -> str:
         """The problem of a medium that raised ``e`` when probed (``handle``: what it was opened as, if it was)."""
@@ -191,6 +195,13 @@ class _Checker:
         return str(e) if str(files[0]) in str(e) else f"{kind} {_name(source)}: {e}"
 
     transient = 0  # media whose fetch failed (timeouts, connections) since this checker was made
+    _special: frozenset[int] | None = None
+
+    def _special_ids(self) -> frozenset[int]:
+        """The tokenizer's special ids (asked for once per checker: the tokenizer builds the list at each call)."""
+        if self._special is None:
+            self._special = frozenset(self.tokenizer.special_ids())
+        return self._special
 
     @property
     def media_timeout_s(self) -> float:
@@ -262,8 +273,9 @@ class SFTDataset(_Checker):
         if issues and cfg.on_error == "raise":
             raise DataError(_summary(self.file, issues, self.image_root, cfg, len(self.index)), issues)
         self.skipped = issues
-        self._good = self.index.good()
-        if not len(self._good):
+        self._shift = _bad_shift(self.index)
+        self._n_good = len(self.index) - len(self._shift)
+        if not self._n_good:
             if not len(self.index):
                 raise DataError(f"data file {self.file} holds no samples (it is empty); give a JSON list or JSONL "
                                 "file with one sample per line (README: data forms)")
@@ -313,31 +325,32 @@ class SFTDataset(_Checker):
     @property
     def validation(self) -> ValidationResult:
         """What validation found, as Python objects (``index_dir`` hands the same to another process for less)."""
-        good = [int(k) for k in self._good]
+        good = [int(k) for k in self.index.good()]
         meta = {k: self.index.meta_of(k) for k in good}
         return ValidationResult(len(self.index), {k: int(self.index.tokens[k]) for k in good}, list(self.skipped),
                                 {k: m[0] for k, m in meta.items()}, {k: m[1] for k, m in meta.items()})
 
     # ---- indexing ---------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._good)
+        return self._n_good
 
     @property
     def num_skipped(self) -> int:
         return len({issue.index for issue in self.skipped})
 
     def source_index(self, i: int) -> int:
-        """Position in the data file of dataset sample ``i``."""
-        return int(self._good[i])
+        """Position in the data file of dataset sample ``i`` (``i`` plus the bad records before it)."""
+        return i + int(np.searchsorted(self._shift, i, side="right")) if len(self._shift) else i
 
     def lengths(self) -> list[int]:
         """Exact token count of every sample (from the index: no media read)."""
-        return np.asarray(self.index.tokens)[self._good].tolist()
+        tokens = np.asarray(self.index.tokens)
+        return (tokens[self.index.good()] if len(self._shift) else tokens).tolist()
 
     def info(self, i: int) -> SampleInfo:
         """What the planner needs of sample ``i`` (token count, special-token counts, and the processor's shape
         facts: e.g. vision grids, audio frames), no decoding."""
-        k = int(self._good[i])
+        k = self.source_index(i)
         facts, counts = self.index.meta_of(k)
         return SampleInfo(i, int(self.index.tokens[k]), token_counts=counts, **self.processor.info(facts))
 
@@ -352,9 +365,9 @@ class SFTDataset(_Checker):
     def get(self, i: int, pixels: bool = True) -> Sample:
         """Sample ``i``; ``pixels=False`` decodes no media (the text side needs only their shapes, known from
         validation)."""
-        if not 0 <= i < len(self._good):
-            raise IndexError(f"{self.file}: sample {i} out of range (dataset has {len(self._good)} samples)")
-        rec = self.record(int(self._good[i]))
+        if not 0 <= i < self._n_good:
+            raise IndexError(f"{self.file}: sample {i} out of range (dataset has {self._n_good} samples)")
+        rec = self.record(self.source_index(i))
         facts, _ = self.index.meta_of(rec.index)
         decoded = self._decode(rec, facts) if pixels else None
         ids, labels = self.tokenizer.encode_conversation(rec.messages, self.processor.blocks(facts))
@@ -384,6 +397,14 @@ class SFTDataset(_Checker):
         """Every problem of every sample in the file (empty: all good), checked again now in this process."""
         chunk = self._check_range(self._file_records, 0, len(self._file_records))
         return [DataIssue(str(self.file), k, m) for k, m in chunk.issues]
+
+
+def _bad_shift(ix: index.SampleIndex) -> np.ndarray:
+    """The bad records' positions, each less its rank (sorted): good sample ``i`` is record ``i`` plus the number
+    of these that are at most ``i``. What a process keeps to address the good samples: a number per bad record,
+    not one per sample."""
+    bad = np.flatnonzero(np.asarray(ix.status) != index.GOOD)
+    return bad - np.arange(len(bad), dtype=bad.dtype)
 
 
 class _Records:
@@ -456,7 +477,7 @@ def build_index(ds: _Checker, records: RecordFile, fp: str) -> index.SampleIndex
     """Validate every record of ``records``: in this process for a small file, else over ``data.index_workers``
     processes (0: one per CPU core), each checking runs of ``CHUNK_RECORDS``."""
     n = len(records)
-    ranges = [(lo, min(n, lo + CHUNK_RECORDS)) for lo in range(0, n, CHUNK_RECORDS)]
+    ranges = records.ranges(CHUNK_RECORDS)
     workers = int(getattr(ds.cfg, "index_workers", 0)) or os.cpu_count() or 1
     chunks: list[_Chunk] = []
     with Progress(n, f"validating {ds.file}", after_s=PROGRESS_AFTER_S) as progress:

@@ -75,6 +75,11 @@ class RecordFile:
         """Byte offsets of the samples (n + 1, the last the end) for the index, or None: rows address them."""
         return None
 
+    def ranges(self, size: int) -> list[tuple[int, int]]:
+        """The file's records as runs of about ``size`` (what the index build hands out, one per task)."""
+        n = len(self)
+        return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+
 
 class JsonLines(RecordFile):
     """JSONL (one sample per non-blank line) or a JSON list (one sample per element), read by byte span."""
@@ -225,6 +230,8 @@ class Parquet(_Table):
     def _group(self, g: int) -> Any:
         with self._lock:
             if self._cached is None or self._cached[0] != g:
+                self._cached = None  # (the group kept before is dropped, and the pool's freed memory returned,
+                _release_unused()  # before the next is read: a reader holds one group, not the groups it read)
                 self._cached = (g, self._file.read_row_group(g))
             return self._cached[1]
 
@@ -232,6 +239,25 @@ class Parquet(_Table):
         g = int(np.searchsorted(self._ends, k, side="right"))
         first = int(self._ends[g - 1]) if g else 0
         return self._rows(self._group(g).slice(k - first, 1))[0]
+
+    def ranges(self, size: int) -> list[tuple[int, int]]:
+        """Runs of whole row groups, up to ``size`` records each (a larger group alone, cut in runs of ``size``):
+        each row group is then read by one task only, once."""
+        out: list[tuple[int, int]] = []
+        lo = prev = 0  # the run being gathered starts at lo; the group at hand is [prev, end)
+        for end in (int(e) for e in self._ends):
+            if end - prev > size:  # a large group: the run so far, then the group in pieces
+                if prev > lo:
+                    out.append((lo, prev))
+                out += [(a, min(end, a + size)) for a in range(prev, end, size)]
+                lo = end
+            elif end - lo > size:  # this group would take the run past size: the run ends before it
+                out.append((lo, prev))
+                lo = prev
+            prev = end
+        if prev > lo:
+            out.append((lo, prev))
+        return out
 
     def read_range(self, start: int, stop: int) -> list[Item]:
         out: list[Item] = []
@@ -272,6 +298,15 @@ class ArrowDir(_Table):
 
     def read_range(self, start: int, stop: int) -> list[Item]:
         return self._rows(self._table.slice(start, stop - start))
+
+
+def _release_unused() -> None:
+    """Return the memory Arrow's allocator keeps after frees to the system (pyarrow >= 13; else nothing)."""
+    import pyarrow as pa
+
+    release = getattr(pa.default_memory_pool(), "release_unused", None)
+    if release is not None:
+        release()
 
 
 def open_records(path: Path, spans: np.ndarray | None = None) -> RecordFile:

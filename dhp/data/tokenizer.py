@@ -106,6 +106,7 @@ class Tokenizer:
         messages: Sequence[dict[str, str]],
         blocks: Mapping[str, Sequence[Sequence[int]]] | None = None,
         add_generation_prompt: bool = False,
+        labels: bool = True,
     ) -> tuple[list[int], list[int]]:
         """ChatML ids of a conversation, as the chat template + the family's processor produce them, and labels.
 
@@ -113,7 +114,7 @@ class Tokenizer:
         family's processor gives that item (``Processor.blocks``: e.g. a start token, one placeholder per token, an
         end token). Labels are -100 except on assistant replies and their ``<|im_end|>``. With
         ``add_generation_prompt`` the ids end with ``<|im_start|>assistant\\n`` (for generation; then the last
-        message should not be the assistant's).
+        message should not be the assistant's). Without ``labels`` the labels come back empty.
         """
         blocks = blocks or {}
         for tag, what in MEDIA_TAGS.items():
@@ -123,16 +124,23 @@ class Tokenizer:
                 raise ValueError(f"{n_placeholders} {tag} placeholders but {given} {what}")
         pending = {tag: iter(blocks.get(tag, ())) for tag in MEDIA_TAGS}
         ids: list[int] = []
-        labels: list[int] = []
+        out_labels: list[int] = []
         for seg_text, sup_from in chat_segments(messages, add_generation_prompt):
-            seg_ids, seg_labels = self._encode_segment(seg_text, sup_from, pending)
+            seg_ids, seg_labels = self._encode_segment(seg_text, sup_from, pending, labels)
             ids += seg_ids
-            labels += seg_labels
-        return ids, labels
+            out_labels += seg_labels
+        return ids, out_labels
 
-    def _encode_segment(self, text: str, sup_from: int, pending: dict) -> tuple[list[int], list[int]]:
+    def conversation_ids(self, messages: Sequence[dict[str, str]],
+                         blocks: Mapping[str, Sequence[Sequence[int]]] | None = None) -> list[int]:
+        """The ids of ``encode_conversation(messages, blocks)`` without its labels (what validation counts: the
+        same ids, less the per-token work of the labels)."""
+        return self.encode_conversation(messages, blocks, labels=False)[0]
+
+    def _encode_segment(self, text: str, sup_from: int, pending: dict,
+                        with_labels: bool = True) -> tuple[list[int], list[int]]:
         """Ids of ``text`` (media tags expanded); a token is supervised if it covers a char at or after
-        ``sup_from``.
+        ``sup_from`` (no labels without ``with_labels``).
 
         Text pieces between tags are encoded separately: each cut touches a special token, so the ids equal those
         of the whole expanded text. Media blocks are never supervised.
@@ -144,13 +152,15 @@ class Tokenizer:
             if k % 2:  # a media tag
                 block = list(next(pending[piece]))
                 ids += block
-                labels += [IGNORE_INDEX] * len(block)
+                if with_labels:
+                    labels += [IGNORE_INDEX] * len(block)
                 pos += len(piece)
                 continue
             enc = self._tok.encode(piece, add_special_tokens=False)
             ids += enc.ids
-            ends = (pos + end for _, end in enc.offsets)
-            labels += [t if e > sup_from else IGNORE_INDEX for t, e in zip(enc.ids, ends, strict=True)]
+            if with_labels:
+                ends = (pos + end for _, end in enc.offsets)
+                labels += [t if e > sup_from else IGNORE_INDEX for t, e in zip(enc.ids, ends, strict=True)]
             pos += len(piece)
         return ids, labels
 

@@ -67,6 +67,20 @@ def _nbytes(x) -> int:
     return 0
 
 
+def collective_kind(func) -> str | None:
+    """The kind (``all_reduce``, ``all_gather``...) of a collective op of either path (``c10d``,
+    ``_c10d_functional``), None for any other op (``wait_tensor`` included)."""
+    if func.namespace not in _NAMESPACES:
+        return None
+    return _KINDS.get(func._schema.name.split("::")[-1])
+
+
+def payload_bytes(func, args: tuple) -> int:
+    """The payload a rank hands to collective ``func`` called with ``args`` (whole buffers)."""
+    name = func._schema.name.split("::")[-1]
+    return _nbytes(args[_PAYLOAD_ARG.get(name, 0)]) if args else 0
+
+
 def _dtype_name(x) -> str:
     """A payload's dtype (``bfloat16``, ``float32``): the first tensor's, for a list of them."""
     if isinstance(x, (list, tuple)):
@@ -124,17 +138,16 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace in _NAMESPACES:
+        kind = collective_kind(func)
+        if kind is not None:
             name = func._schema.name.split("::")[-1]
-            kind = _KINDS.get(name)
-            if kind is not None:
-                arg = args[_PAYLOAD_ARG.get(name, 0)] if args else None
-                self.bytes[kind] += _nbytes(arg)
-                self.calls[kind] += 1
-                self.dtypes[(kind, _dtype_name(arg))] += 1
-                sent = _sent_to_others(name, func, args, kwargs)
-                if sent is not None:
-                    self.sent[kind] += sent
+            arg = args[_PAYLOAD_ARG.get(name, 0)] if args else None
+            self.bytes[kind] += payload_bytes(func, args)
+            self.calls[kind] += 1
+            self.dtypes[(kind, _dtype_name(arg))] += 1
+            sent = _sent_to_others(name, func, args, kwargs)
+            if sent is not None:
+                self.sent[kind] += sent
         return func(*args, **kwargs)
 
     def snapshot(self) -> dict[str, int]:

@@ -2,7 +2,9 @@
 
 What it measures, each the median of a few timed repetitions after a warm-up:
 
-* GEMMs over a grid of (M, N, K) in float32 and bfloat16 (and any extra shapes given: the planner's own);
+* GEMMs over a grid of (M, N, K) in float32 and bfloat16 (and any extra shapes given: the planner's own), in
+  every operand layout (``nn``; ``nt``: ``x @ w.t()``, what a linear's forward hands ``mm``, DTensor's local
+  weight shard included; ``tn``, ``tt``: the backward's transposed operands), each a row of its layout;
 * attention (``scaled_dot_product_attention``, forward and backward) at several key lengths and head widths,
   as FLOP/s of torch's own FLOP formulas (the tally prices attention by the same formulas);
 * elementwise bandwidth (an in-place add and a copy of a large tensor: bytes read and written per second);
@@ -10,7 +12,14 @@ What it measures, each the median of a few timed repetitions after a warm-up:
   DTensor's dispatch adds to an op (on CPU, in the collectives' processes; on one GPU it is left at 0);
 * collectives (all-reduce, all-gather, reduce-scatter, all-to-all) and a point-to-point send at several
   payloads, in a few local processes over gloo (CPU), fitted as ``alpha + bytes / beta`` per kind and group
-  size by least squares (``profile.fit_alpha_beta``), each size's median time;
+  size by least squares (``profile.fit_alpha_beta``), each size's median time; each kind by both paths the
+  code calls it by: ``torch.distributed`` (``c10d``) and ``_functional_collectives`` with its ``wait_tensor``
+  (``functional``: DTensor's, i.e. TP's), each its own fit;
+* on CPU, contention (``measure_contention``): two ranks running a loop of a GEMM and an all-reduce, alone and
+  beside as many busy processes as the host has cores; what its all-reduces take beside them beyond processor
+  sharing's prediction (their time alone x the slowdown of the same ranks' GEMMs), per all-reduce, is a
+  collective's wait for its peer's process to be scheduled on an oversubscribed host
+  (``Profile.contention_wait_s`` at ``contention_ratio`` processes per core);
 * the runtime: Ray's round trip of one actor call and a tensor handed from actor to actor through the object
   store (``measure_runtime``; ``runtime=False`` leaves them out, and the replay then prices no call overhead).
 
@@ -37,7 +46,18 @@ from typing import Any
 import torch
 
 from dhp.plan.ops import kernel_class
-from dhp.plan.profile import CALIBRATED, AttentionPoint, CollectiveFit, GemmPoint, Profile, fit_alpha_beta, roofline
+from dhp.plan.profile import (
+    C10D,
+    CALIBRATED,
+    FUNCTIONAL,
+    GEMM_LAYOUTS,
+    AttentionPoint,
+    CollectiveFit,
+    GemmPoint,
+    Profile,
+    fit_alpha_beta,
+    roofline,
+)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -78,14 +98,27 @@ def gemm_grid(quick: bool) -> list[tuple[int, int, int]]:
     return [(m, n, k) for m in ms for n in nk for k in nk]
 
 
-def measure_gemms(shapes: list[tuple[int, int, int]], dtypes: tuple[str, ...], device: str) -> list[GemmPoint]:
+def gemm_operands(m: int, n: int, k: int, layout: str, dtype: torch.dtype,
+                  device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [M, K], B [K, N]) laid out as ``layout`` says (``ops.gemm_layout``): a ``t`` operand is the transposed
+    view of a row-major tensor, as ``x @ w.t()`` hands ``mm`` a linear's weight [N, K]."""
+    a = torch.randn(k, m, dtype=dtype, device=device).t() if layout[0] == "t" else torch.randn(
+        m, k, dtype=dtype, device=device)
+    b = torch.randn(n, k, dtype=dtype, device=device).t() if layout[1] == "t" else torch.randn(
+        k, n, dtype=dtype, device=device)
+    return a, b
+
+
+def measure_gemms(shapes: list[tuple[int, int, int]], dtypes: tuple[str, ...], device: str,
+                  layouts: tuple[str, ...] = GEMM_LAYOUTS) -> list[GemmPoint]:
     out = []
     for dtype in dtypes:
         dt = getattr(torch, dtype)
         for m, n, k in shapes:
-            a, b = torch.randn(m, k, dtype=dt, device=device), torch.randn(k, n, dtype=dt, device=device)
-            s = timed(lambda a=a, b=b: torch.mm(a, b), device, reps=5)
-            out.append(GemmPoint(m, n, k, dtype, 2.0 * m * n * k / max(s, 1e-9)))
+            for layout in layouts:
+                a, b = gemm_operands(m, n, k, layout, dt, device)
+                s = timed(lambda a=a, b=b: torch.mm(a, b), device, reps=5)
+                out.append(GemmPoint(m, n, k, dtype, 2.0 * m * n * k / max(s, 1e-9), layout))
     return out
 
 
@@ -160,7 +193,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], out: 
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's *_into_tensor names, still the API here
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    points: dict[str, list[tuple[int, float]]] = {k: [] for k in (*KINDS, "send")}
+    points: dict[str, list[tuple[int, float]]] = {k: [] for k in (*KINDS, *map(functional_name, KINDS), "send")}
     for nbytes in sizes:
         n = max(world, nbytes // FLOAT32_BYTES // world * world)
         x = torch.ones(n)
@@ -168,7 +201,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], out: 
                  "all_gather": lambda x=x, n=n: dist.all_gather_into_tensor(torch.empty(n * world), x),
                  "reduce_scatter": lambda x=x, n=n: dist.reduce_scatter_tensor(torch.empty(n // world), x),
                  "all_to_all": lambda x=x: dist.all_to_all_single(torch.empty_like(x), x)}
-        for kind, fn in calls.items():
+        for kind, fn in {**calls, **_functional_calls(x, n, world)}.items():
             points[kind].append((4 * n, _timed_collective(fn)))
         if world == 2:
             def p2p(x: torch.Tensor = x) -> None:
@@ -179,6 +212,25 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], out: 
         Path(out).write_text(json.dumps({**points, "dtensor_op_s": dtensor}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def functional_name(kind: str) -> str:
+    """The points' key of ``kind`` called through ``_functional_collectives``."""
+    return f"{FUNCTIONAL}:{kind}"
+
+
+def _functional_calls(x: torch.Tensor, n: int, world: int) -> dict[str, Callable[[], Any]]:
+    """Each kind as DTensor calls it: the ``_c10d_functional`` op (a fresh output) and its ``wait_tensor``."""
+    import torch.distributed as dist
+
+    fc = torch.ops._c10d_functional
+    group = dist.group.WORLD.group_name
+    split = [n // world] * world
+    calls = {"all_reduce": lambda: fc.all_reduce(x, "sum", group),
+             "all_gather": lambda: fc.all_gather_into_tensor(x, world, group),
+             "reduce_scatter": lambda: fc.reduce_scatter_tensor(x, "sum", world, group),
+             "all_to_all": lambda: fc.all_to_all_single(x, split, split, group)}
+    return {functional_name(k): (lambda f=f: fc.wait_tensor(f())) for k, f in calls.items()}
 
 
 def _dtensor_op_s(world: int, loops: int = 300) -> float:
@@ -225,43 +277,123 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_ranks(target: Callable[..., None], world: int, args: tuple, what: str) -> dict[str, Any]:
+    """Run ``target(rank, world, port, *args, out, parent)`` in ``world`` fresh local processes; -> the JSON
+    rank 0 wrote to ``out``."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "points.json")
+        port = _free_port()
+        procs = [ctx.Process(target=target, args=(r, world, port, *args, out, os.getpid())) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=300)
+        if any(p.exitcode != 0 for p in procs) or not os.path.exists(out):
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            raise RuntimeError(f"dhp plan calibrate: {what} failed (exit codes {[p.exitcode for p in procs]})")
+        return json.loads(Path(out).read_text())
+
+
 def measure_collectives(ranks: tuple[int, ...],
                         sizes: list[int]) -> tuple[list[CollectiveFit], CollectiveFit | None, float]:
     """Fits per kind and group size over gloo, in ``ranks`` local processes each; the send fit from 2 ranks;
     DTensor's dispatch cost per op (``_dtensor_op_s``, in the first group's processes)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
     fits, router, dtensor_s = [], None, 0.0
     for world in ranks:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "points.json")
-            port = _free_port()
-            procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, out, os.getpid()))
-                     for r in range(world)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join(timeout=300)
-            bad = [p.exitcode for p in procs if p.exitcode != 0]
-            if bad or not os.path.exists(out):
-                for p in procs:
-                    if p.is_alive():
-                        p.kill()
-                raise RuntimeError(f"dhp plan calibrate: the {world}-process gloo collective run failed (exit "
-                                   f"codes {[p.exitcode for p in procs]})")
-            points = json.loads(Path(out).read_text())
+        points = _run_ranks(_collective_worker, world, (sizes,), f"the {world}-process gloo collective run")
         dtensor = float(points.pop("dtensor_op_s"))
-        for kind, pts in points.items():
+        for key, pts in points.items():
             if not pts:
                 continue
-            fit = CollectiveFit(kind, world, *noisy_fit([(float(b), float(t)) for b, t in pts]))
+            path, kind = key.split(":") if ":" in key else (C10D, key)
+            fit = CollectiveFit(kind, world, *noisy_fit([(float(b), float(t)) for b, t in pts]), path)
             if kind == "send":
                 router = fit
             else:
                 fits.append(fit)
         dtensor_s = dtensor_s or dtensor
     return fits, router, dtensor_s
+
+
+# ---- contention: collectives on an oversubscribed CPU host ----------------------------------------------------
+
+CONTENTION_GEMM = 256  # the loop's GEMM (256^3: about as long as the all-reduce of 256 KB on its own)
+CONTENTION_ITERS = 100
+
+
+def _contention_worker(rank: int, world: int, port: int, iters: int, out: str, parent: int) -> None:
+    """The slowest rank's seconds (median of 3) of ``iters`` GEMMs alone (``compute_s``) and of ``iters`` GEMMs
+    each followed by an all-reduce of its result (``loop_s``), on this rank."""
+    import torch.distributed as dist
+
+    from dhp.lifetime import exit_with_parent
+
+    exit_with_parent(parent)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    a = torch.randn(CONTENTION_GEMM, CONTENTION_GEMM)
+
+    def compute() -> None:
+        for _ in range(iters):
+            a @ a
+
+    def loop() -> None:
+        for _ in range(iters):
+            dist.all_reduce(a @ a)
+
+    compute_s, loop_s = _timed_collective(compute, reps=3), _timed_collective(loop, reps=3)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"compute_s": compute_s, "loop_s": loop_s, "calls": iters}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _busy(parent: int) -> None:
+    """A one-thread process computing until it is killed (a neighbour worker on the host)."""
+    from dhp.lifetime import exit_with_parent
+
+    exit_with_parent(parent)
+    torch.set_num_threads(1)
+    a = torch.randn(CONTENTION_GEMM, CONTENTION_GEMM)
+    while True:
+        a @ a
+
+
+def contention_wait(alone: dict[str, float], beside: dict[str, float], calls: int) -> float:
+    """Seconds per collective call that the loop's collectives took beside busy processes beyond processor
+    sharing: their time alone (``loop_s - compute_s``) scaled by the slowdown the same ranks' GEMMs alone show
+    (``compute_s`` beside over alone: the processor share they really got, whatever else the host runs), less
+    from their time beside them; 0 if they took no more."""
+    alone_coll = alone["loop_s"] - alone["compute_s"]
+    beside_coll = beside["loop_s"] - beside["compute_s"]
+    slowdown = beside["compute_s"] / max(alone["compute_s"], 1e-12)
+    return max(0.0, beside_coll - max(0.0, alone_coll) * slowdown) / max(1, calls)
+
+
+def measure_contention(cores: int, iters: int = CONTENTION_ITERS) -> tuple[float, float]:
+    """(``contention_wait_s``, ``contention_ratio``): two ranks' loops (``_contention_worker``) alone, then beside
+    ``cores`` busy one-thread processes (``cores + 2`` processes on ``cores`` cores, as a CPU bench's four workers
+    on two cores): ``contention_wait`` per all-reduce, at ``(cores + 2) / cores`` processes per core."""
+    import multiprocessing as mp
+
+    alone = _run_ranks(_contention_worker, 2, (iters,), "the contention loop (alone)")
+    ctx = mp.get_context("spawn")
+    busy = [ctx.Process(target=_busy, args=(os.getpid(),), daemon=True) for _ in range(cores)]
+    for p in busy:
+        p.start()
+    try:
+        beside = _run_ranks(_contention_worker, 2, (iters,), "the contention loop (beside busy processes)")
+    finally:
+        for p in busy:
+            p.kill()
+        for p in busy:
+            p.join(timeout=30)
+    return contention_wait(alone, beside, iters), (cores + 2) / cores
 
 
 def runtime_sizes(quick: bool) -> list[int]:
@@ -360,11 +492,13 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
     per_op, per_sync = measure_host(device)
     base = roofline_for(device)
     fits: list[CollectiveFit] = []
-    router, dtensor_s = None, 0.0
+    router, dtensor_s, contention_s, contention_ratio = None, 0.0, 0.0, 0.0
     note = ""
     if device == "cpu":
         say("collectives and DTensor's dispatch (gloo, local processes)")
         fits, router, dtensor_s = measure_collectives((2,) if quick else (2, 4), collective_sizes(quick))
+        say("contention: collectives beside busy processes")
+        contention_s, contention_ratio = measure_contention(os.cpu_count() or 1, 30 if quick else CONTENTION_ITERS)
     else:
         note = "; collectives: the device table's link (one GPU here)"
     call_s, store = 0.0, None
@@ -381,7 +515,7 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
                    async_launch=device == "cuda", gemm=gemm, attention=attention, collectives=fits, router=router,
                    cores=(os.cpu_count() or 1) if device == "cpu" else 0,
                    threads=torch.get_num_threads() if device == "cpu" else 0, actor_call_s=call_s,
-                   object_store=store)
+                   object_store=store, contention_wait_s=contention_s, contention_ratio=contention_ratio)
 
 
 def roofline_for(device: str) -> Profile | None:

@@ -62,6 +62,18 @@ def _layout(job: Any) -> str:
     return f"{inner}dp{job.dp} z{job.zero}"
 
 
+def job_label(job: Any) -> str:
+    """``text tp8xdp1 z0 AC off, 16384 vision + 4096 text tokens``: a fake run's group, layout and sample."""
+    sizes = [f"{n} {k}" for k, n in job.media] + ([f"{job.text_tokens} text"] if job.text_tokens else [])
+    return (f"{job.module} {_layout(job)} AC {'on' if job.activation_checkpointing else 'off'}, "
+            f"{' + '.join(sizes) or 'no'} tokens")
+
+
+def job_done(done: int, total: int, job: Any, seconds: float) -> None:
+    """A line on stderr per finished fake run of ``measure_all`` (its depth copies included): what and how long."""
+    print(f"dhp: plan: [{done}/{total}] {job_label(job)}: {seconds:.0f} s", file=sys.stderr, flush=True)
+
+
 def _short(name: str) -> str:
     return name[:1].upper()
 
@@ -199,7 +211,7 @@ def run_plan(args: Any) -> int:
                    f"every layout by fake runs of the real code ({', '.join(strategies)}; "
                    f"{'; '.join(_sizes(p) for p in points)})"):
         rows = plan(model_cfg, args.gpus, dev, limit, points, args.text_tokens, args.micro_batch_size, strategies,
-                    precision=precision, family=family, pricing=pricing, keep=keep, lora=lora)
+                    precision=precision, family=family, pricing=pricing, keep=keep, lora=lora, progress=job_done)
     fitting = [r for r in rows if r.fits]
     rec = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
     pools = ", ".join(f"{g} on {d.name}" for g, d in devices.items())

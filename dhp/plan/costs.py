@@ -7,8 +7,10 @@ Per micro-batch of a rank:
   ``cpu_op_s`` + DTensor dispatches x ``dtensor_op_s`` + a sync): ``max(host, device)`` where the host runs
   ahead of the device (CUDA), their sum where it does the work itself (CPU);
 * its collectives, ``alpha + bytes / beta`` per kind over the group they run in (TP/SP ranks; FSDP2's
-  all-gathers and reduce-scatters over the data-parallel ranks): exposed, except FSDP2's, which its prefetch
-  overlaps with the compute on a device with streams (``async_launch``): hidden up to the compute's length;
+  all-gathers and reduce-scatters over the data-parallel ranks), each by the fit of the path it was called by
+  (the tally's functional collectives, DTensor's, by the profile's ``functional`` fits; the rest of the
+  collective counter's by its ``c10d`` ones): exposed, except FSDP2's, which its prefetch overlaps with the
+  compute on a device with streams (``async_launch``): hidden up to the compute's length;
 * the router's transfer of the embeddings and their gradients (two transfers: point-to-point, or through Ray's
   object store for the ``ray`` data plane).
 
@@ -23,7 +25,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dhp.plan.profile import Profile
+from dhp.plan.ops import functional_comm, parse_gemm_key
+from dhp.plan.profile import C10D, FUNCTIONAL, Profile
 
 _FSDP = ("all_gather", "reduce_scatter")
 
@@ -45,6 +48,12 @@ class GroupCost:
     reduce_s: float = 0.0  # the gradient reduction's collectives, once per step
     optimizer_s: float = 0.0  # finish_gradients' and the optimizer's ops, once per step
     step_s: float = 0.0
+    # calls that wait for a peer rank (collectives of both paths; a point-to-point router transfer): what an
+    # oversubscribed host adds to (``Profile.contention_wait_coefficient``, ``dhp.plan.schedule``)
+    forward_waits_mb: float = 0.0
+    backward_waits_mb: float = 0.0
+    router_waits_mb: float = 0.0  # the router's two transfers, point-to-point only (``ray``: no peer waits)
+    reduce_waits: float = 0.0  # the step's collectives (gradient reduction, ZeRO)
 
     def breakdown(self) -> dict[str, float]:
         """Per step: compute, communication exposed and hidden, router, gradient reduction, optimizer."""
@@ -62,8 +71,7 @@ def region_device_s(region: dict[str, float], p: Profile) -> float:
     t = 0.0
     for key, v in region.items():
         if key.startswith("gemm|"):
-            _, m, n, k, dtype = key.split("|")
-            t += v * p.gemm_s(int(m), int(n), int(k), dtype)
+            t += v * p.gemm_s(*parse_gemm_key(key))
         elif key.startswith("attn|"):
             _, kernel, s, d, dtype = key.split("|")
             t += p.attention_s(kernel, int(s), int(d), dtype, v)
@@ -85,19 +93,44 @@ def regions_s(regions: list[dict[str, float]], p: Profile) -> tuple[float, float
     return total, dev, host
 
 
-def collectives_s(comm: dict[str, int], calls: dict[str, int], ranks: int, p: Profile) -> float:
-    return sum(p.collective_s(kind, ranks, b, calls.get(kind, 1)) for kind, b in comm.items())
+def collectives_s(comm: dict[str, float], calls: dict[str, float], ranks: int, p: Profile,
+                  path: str = C10D) -> float:
+    return sum(p.collective_s(kind, ranks, b, calls.get(kind, 1), path) for kind, b in comm.items())
+
+
+def by_path(comm: dict[str, int], calls: dict[str, int],
+            regions: list[dict[str, float]]) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
+    """``{path: (bytes per kind, calls per kind)}`` of a phase's collectives (``CommCounter``'s, every path
+    together): the functional ones its tally ``regions`` saw (``ops.functional_comm``), ``c10d`` the rest."""
+    f_bytes, f_calls = functional_comm(regions)
+    rest = {k: b - f_bytes.get(k, 0) for k, b in comm.items() if b - f_bytes.get(k, 0) > 0}
+    rest_calls = {k: max(0, c - f_calls.get(k, 0)) for k, c in calls.items()}
+    return {C10D: (rest, rest_calls), FUNCTIONAL: (f_bytes, f_calls)}
+
+
+def path_collectives_s(comm: dict[str, int], calls: dict[str, int], regions: list[dict[str, float]], ranks: int,
+                       p: Profile) -> float:
+    """Seconds of a phase's collectives over ``ranks``, each path's part by its own fits (``by_path``)."""
+    return sum(collectives_s(b, c, ranks, p, path) for path, (b, c) in by_path(comm, calls, regions).items())
 
 
 def _phase(regions: list[dict[str, float]], comm: dict[str, int], calls: dict[str, int], job: Any,
            p: Profile) -> tuple[float, float, float, float, float]:
     """(compute, device, host, exposed collectives, hidden collectives) seconds of one phase of a micro-batch."""
     compute, device, host = regions_s(regions, p)
-    comm = dict(comm)
-    fsdp = {k: comm.pop(k) for k in _FSDP if k in comm} if job.zero == 3 else {}
-    fsdp_s = collectives_s(fsdp, calls, job.dp, p)
+    fsdp_s = inner_s = 0.0
+    for path, (b, c) in by_path(comm, calls, regions).items():
+        b = dict(b)
+        fsdp = {k: b.pop(k) for k in _FSDP if k in b} if job.zero == 3 else {}
+        fsdp_s += collectives_s(fsdp, c, job.dp, p, path)
+        inner_s += collectives_s(b, c, job.inner, p, path)
     hidden = min(fsdp_s, compute) if p.async_launch else 0.0
-    return compute, device, host, fsdp_s - hidden + collectives_s(comm, calls, job.inner, p), hidden
+    return compute, device, host, fsdp_s - hidden + inner_s, hidden
+
+
+def _waits(comm: dict[str, int], calls: dict[str, int], ranks: int) -> float:
+    """Collective calls that wait for a peer: those of kinds with payload in a group of more than one rank."""
+    return float(sum(calls.get(k, 1) for k, b in comm.items() if b > 0)) if ranks > 1 else 0.0
 
 
 def _less(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
@@ -112,15 +145,19 @@ def group_cost(job: Any, r: Any, p: Profile, samples: int, router: Profile | Non
     tally there): an encoder runs them as two calls of the runtime's schedule (``dhp.plan.schedule``)."""
     c = GroupCost(micro_batches=math.ceil(samples / job.dp / job.micro_batch_size))
     cut = r.forward_regions
-    fwd = _phase(r.ops[:cut], r.forward_comm, r.forward_comm_calls, job, p)
-    bwd = _phase(r.ops[cut:], _less(r.comm, r.forward_comm), _less(r.comm_calls, r.forward_comm_calls), job, p)
+    fwd_comm = (r.forward_comm, r.forward_comm_calls)
+    bwd_comm = (_less(r.comm, r.forward_comm), _less(r.comm_calls, r.forward_comm_calls))
+    fwd, bwd = _phase(r.ops[:cut], *fwd_comm, job, p), _phase(r.ops[cut:], *bwd_comm, job, p)
     c.compute_mb, c.device_mb, c.host_mb, c.comm_exposed_mb, c.comm_hidden_mb = (
         f + b for f, b in zip(fwd, bwd, strict=True))
     c.forward_mb, c.backward_mb = fwd[0] + fwd[3], bwd[0] + bwd[3]
     c.router_mb = (router or p).router_s(r.router, 2.0, data_plane) if r.router else 0.0
     c.micro_batch_s = c.compute_mb + c.comm_exposed_mb + c.router_mb
+    c.forward_waits_mb, c.backward_waits_mb = _waits(*fwd_comm, job.ranks), _waits(*bwd_comm, job.ranks)
+    c.router_waits_mb = 2.0 if r.router and data_plane == "p2p" else 0.0
     reduce_n = job.dp * (job.inner if job.inner_kind == "sp" else 1)
-    c.reduce_s = collectives_s(r.step_comm, r.step_comm_calls, reduce_n, p)
+    c.reduce_s = path_collectives_s(r.step_comm, r.step_comm_calls, r.step_ops, reduce_n, p)
+    c.reduce_waits = _waits(r.step_comm, r.step_comm_calls, reduce_n)
     c.optimizer_s = regions_s(r.step_ops, p)[0]
     c.step_s = c.micro_batches * c.micro_batch_s + c.reduce_s + c.optimizer_s
     return c

@@ -4,14 +4,22 @@ The planner's fake run (``dhp.plan.measure``) already dispatches every op ``dhp 
 local shapes. ``OpTally`` watches that stream (beside the FLOP counter and the collective counter) and keeps,
 per *region* between host syncs (an op whose output the host must read: ``.item()``, ``nonzero``...):
 
-* ``gemm|M|N|K|dtype``: how many matmuls of that shape (``mm``, ``addmm``, ``bmm`` with its batch folded into
-  M, convolutions as their im2col GEMM);
+* ``gemm|M|N|K|dtype[|layout]``: how many matmuls of that shape (``mm``, ``addmm``, ``bmm`` with its batch
+  folded into M, convolutions as their im2col GEMM) with their operands laid out so (``gemm_layout``: ``nt``,
+  ``tn``, ``tt``; no suffix: ``nn``, both row-major). A linear's forward hands ``mm`` its weight transposed
+  (``x @ w.t()``, DTensor's local shard as ``F.linear``'s), its weight gradient the output gradient transposed:
+  a CPU GEMM's rate depends on it (``dhp plan calibrate`` measures every layout);
 * ``attn|kernel|S|D|dtype``: FLOPs of attention calls by kernel, key length and head width;
 * ``mem_bytes``: bytes read and written by every other op that moves data (elementwise, norms, RoPE, softmax,
   copies, the optimizer's foreach kernels): memory-bound work;
 * ``ops``: ops dispatched (the CPU's launch work; views count, they cost the host, not the device);
 * ``dtensor_ops``: ops dispatched on DTensors (TP, FSDP2's parameters): each pays DTensor's Python dispatch
-  (sharding propagation's cache, redistribution, wrapping) on the host before its local ops.
+  (sharding propagation's cache, redistribution, wrapping) on the host before its local ops;
+* ``fcoll|kind`` and ``fcoll_calls|kind``: payload bytes and calls of the collectives dispatched through
+  ``torch.distributed._functional_collectives`` (``_c10d_functional`` ops: DTensor's redistributions, i.e. TP),
+  by ``CommCounter``'s kinds and payload rule. ``CommCounter`` counts every path together; the rest of its
+  bytes and calls went through ``c10d`` (FSDP2, Ulysses, the gradient reduction), and ``dhp.plan.costs`` prices
+  each part by its own path's fit.
 
 Why a tally and not a trace: a 32B rank dispatches hundreds of thousands of ops, and the planner extends two
 shallow runs along the depth (``measure.extrapolate``); a tally of counts per key is linear in the depth,
@@ -53,29 +61,66 @@ def _bytes(x: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(x))
 
 
-def gemm_key(m: int, n: int, k: int, dtype: str) -> str:
-    return f"gemm|{int(m)}|{int(n)}|{int(k)}|{dtype}"
+def gemm_key(m: int, n: int, k: int, dtype: str, layout: str = "nn") -> str:
+    return f"gemm|{int(m)}|{int(n)}|{int(k)}|{dtype}" + (f"|{layout}" if layout != "nn" else "")
+
+
+def parse_gemm_key(key: str) -> tuple[int, int, int, str, str]:
+    """(M, N, K, dtype, layout) of a ``gemm_key`` (a key without a layout: ``nn``)."""
+    _, m, n, k, dtype, *layout = key.split("|")
+    return int(m), int(n), int(k), dtype, layout[0] if layout else "nn"
+
+
+def _major(t: torch.Tensor) -> str:
+    """``n`` for a matrix (the last two dims) stored row-major, ``t`` for one handed as a transposed view
+    (column-major: unit stride along its rows); anything else ``mm`` copies first, priced as ``n``."""
+    if t.dim() < 2 or t.stride(-1) == 1 or t.shape[-1] == 1:
+        return "n"
+    return "t" if t.stride(-2) == 1 else "n"
+
+
+def gemm_layout(a: torch.Tensor, b: torch.Tensor) -> str:
+    """The layout of ``a @ b`` as the GEMM table keys it: ``nn``, ``nt`` (``x @ w.t()``), ``tn``, ``tt``."""
+    return _major(a) + _major(b)
+
+
+FCOLL_BYTES, FCOLL_CALLS = "fcoll|", "fcoll_calls|"
+
+
+def fcoll_key(kind: str) -> str:
+    return FCOLL_BYTES + kind
+
+
+def fcoll_calls_key(kind: str) -> str:
+    return FCOLL_CALLS + kind
+
+
+def functional_comm(regions: list[dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:
+    """({kind: payload bytes}, {kind: calls}) of the functional collectives tallied over ``regions``."""
+    total = merged(regions)
+    return ({k.removeprefix(FCOLL_BYTES): v for k, v in total.items() if k.startswith(FCOLL_BYTES)},
+            {k.removeprefix(FCOLL_CALLS): v for k, v in total.items() if k.startswith(FCOLL_CALLS)})
 
 
 def attn_key(kernel: str, s: int, d: int, dtype: str) -> str:
     return f"attn|{kernel}|{int(s)}|{int(d)}|{dtype}"
 
 
-def _gemm(func: Any, args: tuple) -> tuple[int, int, int, str] | None:
-    """(M, N, K, dtype) of a matmul op (batch folded into M)."""
+def _gemm(func: Any, args: tuple) -> tuple[int, int, int, str, str] | None:
+    """(M, N, K, dtype, layout) of a matmul op (batch folded into M)."""
     if func in (aten.mm.default,):
         a, b = args[0], args[1]
     elif func is aten.addmm.default:
         a, b = args[1], args[2]
     elif func is aten.bmm.default:
         a, b = args[0], args[1]
-        return a.shape[0] * a.shape[1], b.shape[2], a.shape[2], _dtype(a)
+        return a.shape[0] * a.shape[1], b.shape[2], a.shape[2], _dtype(a), gemm_layout(a, b)
     elif func is aten.baddbmm.default:
         a, b = args[1], args[2]
-        return a.shape[0] * a.shape[1], b.shape[2], a.shape[2], _dtype(a)
+        return a.shape[0] * a.shape[1], b.shape[2], a.shape[2], _dtype(a), gemm_layout(a, b)
     else:
         return None
-    return a.shape[0], b.shape[1], a.shape[1], _dtype(a)
+    return a.shape[0], b.shape[1], a.shape[1], _dtype(a), gemm_layout(a, b)
 
 
 def _conv(func: Any, args: tuple, out: Any) -> tuple[tuple[int, int, int, str], int] | None:
@@ -145,9 +190,25 @@ class OpTally(TorchDispatchMode):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.skip() and func.namespace not in _NAMESPACES_SKIPPED:
+        if self.skip():
+            return out
+        if func.namespace == "_c10d_functional":
+            self._functional_collective(func, args)
+        elif func.namespace not in _NAMESPACES_SKIPPED:
             self._count(func, args, kwargs, out)
         return out
+
+    def _functional_collective(self, func: Any, args: tuple) -> None:
+        """A collective called through ``_functional_collectives``: its payload by ``CommCounter``'s rule (the
+        first argument; its ``wait_tensor`` is the same call's, not counted again)."""
+        from dhp.parallel.comm import collective_kind, payload_bytes
+
+        kind = collective_kind(func)
+        if kind is None:
+            return
+        cur = self.regions[-1]
+        cur[fcoll_key(kind)] += payload_bytes(func, args)
+        cur[fcoll_calls_key(kind)] += 1
 
     def _count(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         cur = self.regions[-1]

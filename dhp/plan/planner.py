@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -216,12 +217,55 @@ def _disaggregated(j: _Jobs, gpus: int, strategies: tuple[str, ...]) -> list[Row
     return rows
 
 
-def _run(args: tuple[GroupJob, Any, Any]) -> GroupResult:
+def _run(args: tuple[GroupJob, Any, Any]) -> tuple[GroupResult, float]:
+    """One job's fake runs (``measure_model``) -> (its result, the seconds they took)."""
     from dhp.models.registry import get_family
     from dhp.plan.measure import measure_model
 
     job, model_cfg, family = args
-    return measure_model(job, model_cfg, get_family(family) if isinstance(family, str) else family)
+    start = time.perf_counter()
+    res = measure_model(job, model_cfg, get_family(family) if isinstance(family, str) else family)
+    return res, time.perf_counter() - start
+
+
+_DONE: list[Any] = []  # a pool worker's queue to its parent: (job, seconds) as each job of a bundle finishes
+
+
+def _worker_init(parent: int, done: Any) -> None:
+    """A pool worker: it ends with ``parent`` (``dhp.lifetime``) and says on ``done`` when each job is done."""
+    from dhp.lifetime import exit_with_parent
+
+    exit_with_parent(parent)
+    _DONE[:] = [done]
+
+
+def _run_bundle(args: tuple[list[GroupJob], Any, Any]) -> list[tuple[GroupJob, GroupResult]]:
+    """A bundle's jobs one after another in this process (``bundles``), each one's end told to the parent."""
+    jobs, model_cfg, family = args
+    out = []
+    for j in jobs:
+        res, seconds = _run((j, model_cfg, family))
+        if _DONE:
+            _DONE[0].put((j, seconds))
+        out.append((j, res))
+    return out
+
+
+def bundles(jobs: list[GroupJob], family: Any) -> list[list[GroupJob]]:
+    """``jobs`` in bundles of one layout each (the same module, degrees, ZeRO level, precision; any media and
+    checkpointing), the bundles of the language model (the deepest runs) first, then the largest media, so that
+    a pool's last bundles are short. Why: a process runs a layout it has run before at about half the cost (the
+    fake tensors' dispatch cache and DTensor's sharding propagation cache hold its parameters' shapes, and its
+    activations' at the same media), and a run's figures do not depend on what ran before it in the process
+    (``test_a_run_after_its_layouts_other_runs_equals_its_first``), so a bundle goes to one process."""
+    out: dict[GroupJob, list[GroupJob]] = {}
+    for j in jobs:
+        out.setdefault(replace(j, media=(), text_tokens=0, activation_checkpointing=False), []).append(j)
+
+    def size(b: list[GroupJob]) -> tuple:
+        return b[0].module != family.language.name, -sum(v for j in b for _, v in j.media)
+
+    return sorted(out.values(), key=size)
 
 
 def family_ref(family: Any) -> str | None:
@@ -279,34 +323,63 @@ def for_reduce_size(r: GroupResult, measured: int, d: int) -> GroupResult:
     return out
 
 
-def measure_all(jobs: list[GroupJob], model_cfg: Any, workers: int | None = None,
-                family: Any = None) -> dict[GroupJob, GroupResult]:
+Progress = Callable[[int, int, GroupJob, float], None]  # (jobs done, jobs in all, the job just done, its seconds)
+
+
+def measure_all(jobs: list[GroupJob], model_cfg: Any, workers: int | None = None, family: Any = None,
+                progress: Progress | None = None) -> dict[GroupJob, GroupResult]:
     """Every distinct job's ``canonical`` stand-in once. ``workers`` <= 1: in this process, one after
     another (a run's figures do not depend on what ran before it: ``measure._untracked_sharding_propagation``);
-    more: a pool of that many processes, each running many jobs (default: the CPU count, at most 4, for
-    more than a handful of runs)."""
+    more: a pool of that many processes, each running many jobs, a layout's jobs in one process (``bundles``;
+    default: the CPU count, at most 4, for more than a handful of runs). ``progress`` is called as each
+    stand-in's runs finish, in the order they finish."""
     family = family_of(family)
     want = list(dict.fromkeys(jobs))
     uniq = list(dict.fromkeys(canonical(j, family) for j in want))
     if workers is None:
         workers = max(1, min(4, os.cpu_count() or 1)) if len(uniq) > 6 else 1
     ref = family_ref(family)
+    done = progress or (lambda *_: None)
+    got: dict[GroupJob, GroupResult] = {}
     if workers <= 1 or ref is None:  # (a family no fresh process can find runs here)
-        got = {j: _run((j, model_cfg, family)) for j in uniq}
+        for j in (j for b in bundles(uniq, family) for j in b):
+            got[j], seconds = _run((j, model_cfg, family))
+            done(len(got), len(uniq), j, seconds)
     else:
-        import multiprocessing as mp
-
-        # the language model's (deepest) runs first, then the largest media, so that the pool's last jobs are short
-        order = sorted(uniq, key=lambda j: (j.module != family.language.name, -sum(v for _, v in j.media)))
-        from dhp.lifetime import exit_with_parent
-
-        # each worker ends with this process: a killed `dhp plan` leaves no orphan measuring on (this pid, not the
-        # worker's parent when its initializer runs: a worker still starting when the plan was killed has init's)
-        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
-                                 initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
-            got = dict(zip(order, pool.map(_run, [(j, model_cfg, ref) for j in order]), strict=True))
+        got = _pool(bundles(uniq, family), model_cfg, ref, workers, lambda i, j, s: done(i, len(uniq), j, s))
     return {j: for_reduce_size(got[canonical(j, family)], _reduce_size(canonical(j, family)), _reduce_size(j))
             for j in want}
+
+
+def _pool(work: list[list[GroupJob]], model_cfg: Any, ref: str, workers: int,
+          done: Callable[[int, GroupJob, float], None]) -> dict[GroupJob, GroupResult]:
+    """The bundles' jobs in a pool of ``workers`` processes, a bundle to a process, each job's end told to
+    ``done`` as it comes (not only at its bundle's)."""
+    import multiprocessing as mp
+    from queue import Empty
+
+    ctx = mp.get_context("spawn")
+    told = ctx.Queue()
+    total = sum(len(b) for b in work)
+    # each worker ends with this process: a killed `dhp plan` leaves no orphan measuring on (this pid, not the
+    # worker's parent when its initializer runs: a worker still starting when the plan was killed has init's)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
+                             initargs=(os.getpid(), told)) as pool:
+        futures = [pool.submit(_run_bundle, (b, model_cfg, ref)) for b in work]
+        n = 0
+        while n < total:
+            try:
+                job, seconds = told.get(timeout=0.5)
+            except Empty:
+                job = None
+            if job is None:  # a worker that failed sends no more: its bundle's error, raised here
+                failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+                if failed is not None:
+                    raise failed.exception()
+                continue
+            n += 1
+            done(n, job, seconds)
+        return {j: r for f in futures for j, r in f.result()}
 
 
 # ---- time ----------------------------------------------------------------------------------------------------
@@ -352,7 +425,8 @@ def _pools(row: Row, pricing: Pricing, gpus: int) -> tuple[dict[str, Lane], dict
     for k, j in row.jobs.items():
         p = pricing.of(k)
         if p.device_type == "cpu" and p.cores:
-            lanes[k], pools["host"] = Lane("host", j.ranks * max(1, p.threads)), float(p.cores)
+            lanes[k] = Lane("host", j.ranks * max(1, p.threads), p.contention_wait_coefficient())
+            pools["host"] = float(p.cores)
         elif row.placement == "collocated":
             lanes[k], pools["gpus"] = Lane("gpus", j.ranks), float(gpus)
         else:
@@ -395,10 +469,20 @@ def replay_row(row: Row, costs: dict[str, GroupCost], pricing: Pricing, gpus: in
             return g.optimizer_s
         return 0.0  # emit, emit_grads: the router's transfer is priced in the calls that make and take it
 
+    def waits(c: Call) -> float:  # its calls that wait for a peer rank (priced where the host is oversubscribed)
+        g = costs[c.group]
+        if c.kind in ("forward", "backward"):
+            n = busiest[(c.group, c.round)] / jobs[c.group].micro_batch_size
+            part = g.forward_waits_mb if c.kind == "forward" else g.backward_waits_mb
+            return n * part + (g.router_waits_mb / 2 if n else 0.0)
+        if c.kind == "forward_backward":
+            return g.forward_waits_mb + g.backward_waits_mb + g.router_waits_mb
+        return g.reduce_waits if c.kind == "finish_gradients" else 0.0
+
     lanes, pools = _pools(row, pricing, gpus)
     script = driver_script(len(plan.rounds), encoders, language, plan.window, ahead, data_plane=data_plane(row))
     call_s = max(pricing.of(k).actor_call_s for k in jobs)
-    return replay(script, lanes, pools, work, call_s)
+    return replay(script, lanes, pools, work, call_s, waits)
 
 
 def evaluate(row: Row, results: dict[GroupJob, GroupResult], dev: Device, gpus: int, limit_gb: float,
@@ -457,15 +541,17 @@ def best(rows: list[Row]) -> list[Row]:
 def plan(model_cfg: Any, gpus: int, dev: Device, limit_gb: float, media: list, text_tokens: int,
          mbs: int, strategies: tuple[str, ...] = STRATEGIES, workers: int | None = None,
          precision: str = "fp32_master", family: Any = None, pricing: Pricing | None = None,
-         keep: Callable[[Row], bool] | None = None, lora: dict[str, int] | None = None) -> list[Row]:
+         keep: Callable[[Row], bool] | None = None, lora: dict[str, int] | None = None,
+         progress: Progress | None = None) -> list[Row]:
     """Every candidate row measured and priced; ``media``: the sample sizes, ``{encoder: tokens}`` each;
     ``precision`` (``train.precision``) is what every group's weights, gradients and optimizer state are held
     in; ``keep``: the candidates to measure (default: all); ``lora``: ``{module: rank}``, the modules that train
-    LoRA adapters on every Linear (``<module>.lora.r``), their bases frozen."""
+    LoRA adapters on every Linear (``<module>.lora.r``), their bases frozen; ``progress``: told of every
+    distinct fake run as it finishes (``measure_all``)."""
     family = family_of(family)
     rows = candidate_rows(model_cfg, gpus, media, text_tokens, mbs, strategies, precision=precision, family=family)
     rows = [with_lora(r, lora or {}) for r in rows if keep is None or keep(r)]
-    results = measure_all([j for r in rows for j in r.jobs.values()], model_cfg, workers, family)
+    results = measure_all([j for r in rows for j in r.jobs.values()], model_cfg, workers, family, progress)
     return best([evaluate(r, results, dev, gpus, limit_gb, text_tokens, family, pricing=pricing) for r in rows])
 
 

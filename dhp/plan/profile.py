@@ -3,17 +3,27 @@
 The planner's step time prices every op a rank dispatches (``dhp.plan.ops``, ``dhp.plan.costs``); a profile
 says what each costs on one device:
 
-* ``gemm``: achieved FLOP/s of matmuls by (M, N, K, dtype), measured at a grid of shapes and interpolated in
-  log space (inverse-distance weights over the nearest measured shapes of the dtype);
+* ``gemm``: achieved FLOP/s of matmuls by (M, N, K, dtype, layout), measured at a grid of shapes and
+  interpolated in log space (inverse-distance weights over the nearest measured shapes of the dtype and layout).
+  The layout says which operands ``mm`` is handed transposed (``ops.gemm_layout``: ``nt`` is ``x @ w.t()``, a
+  linear's forward on its weight as DTensor's shard or ``F.linear`` presents it; ``tn`` a weight gradient); a
+  profile without rows of a layout (written before layouts were measured) prices it by its ``nn`` rows;
 * ``attention``: achieved FLOP/s of attention by kernel family, key length and head width;
 * ``hbm_bytes_per_s``: what memory-bound ops (elementwise, norms, copies, the optimizer) stream;
 * ``cpu_op_s``, ``dtensor_op_s``, ``sync_s``: the host's cost of dispatching one op, of DTensor's dispatch of
   one op on top of it, and of one host sync; ``async_launch`` says
   whether the host runs ahead of the device (CUDA: a region between syncs costs max(host, device)) or does the
   work itself (CPU: host + device);
-* ``collectives``: ``alpha + bytes / beta`` per collective kind and group size (least squares over several
-  sizes, ``fit_alpha_beta``), bytes being the payload a rank hands to the collective (``CommCounter``'s);
-  ``router``: the same for a point-to-point transfer between groups.
+* ``collectives``: ``alpha + bytes / beta`` per collective kind, group size and *path* (least squares over
+  several sizes, ``fit_alpha_beta``), bytes being the payload a rank hands to the collective (``CommCounter``'s).
+  The path is how the code calls it: ``c10d`` (``torch.distributed.all_reduce``...: FSDP2, Ulysses, the
+  gradient reduction) or ``functional`` (``torch.distributed._functional_collectives`` and its
+  ``wait_tensor``: DTensor's redistributions, i.e. TP); a profile without functional fits prices both by the
+  ``c10d`` ones; ``router``: the same for a point-to-point transfer between groups;
+* ``contention_wait_s``, ``contention_ratio``: on a CPU host, what one collective call costs beyond processor
+  sharing when the host's processes outnumber its cores (a rank waits for its peer's process to be scheduled),
+  measured at ``contention_ratio`` processes per core (``calibrate.measure_contention``); the replay
+  (``dhp.plan.schedule``) scales it by the share of time a peer is off its core, ``1 - cores / demand``.
 
 Without a calibrated profile the GPU rows use ``roofline(device)``: matmuls and attention at the device
 table's peak times its stated efficiency, or its HBM bandwidth where that binds; collectives as ring
@@ -41,6 +51,11 @@ class GemmPoint:
     k: int
     dtype: str
     flops_per_s: float
+    layout: str = "nn"  # ``ops.gemm_layout``: which of (A, B) ``mm`` was handed transposed
+
+
+GEMM_LAYOUTS = ("nn", "nt", "tn", "tt")
+C10D, FUNCTIONAL = "c10d", "functional"
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,7 @@ class CollectiveFit:
     ranks: int
     alpha_s: float
     beta_bytes_per_s: float
+    path: str = C10D  # C10D | FUNCTIONAL: how the collective was called (see the module docstring)
 
 
 def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -115,6 +131,8 @@ class Profile:
     threads: int = 0
     actor_call_s: float = 0.0  # the runtime's round trip of one actor call (driver -> worker -> driver)
     object_store: CollectiveFit | None = None  # a tensor through Ray's object store, worker to worker
+    contention_wait_s: float = 0.0  # a collective call's wait beyond processor sharing on an oversubscribed host
+    contention_ratio: float = 0.0  # ... measured at this many processes per core (0: not measured)
 
     @property
     def label(self) -> str:
@@ -152,10 +170,13 @@ class Profile:
 
     # ---- costs ---------------------------------------------------------------------------------------------------
 
-    def gemm_s(self, m: float, n: float, k: float, dtype: str) -> float:
-        """Seconds of one (M x K) @ (K x N) matmul."""
+    def gemm_s(self, m: float, n: float, k: float, dtype: str, layout: str = "nn") -> float:
+        """Seconds of one (M x K) @ (K x N) matmul with its operands in ``layout`` (``ops.gemm_layout``): the
+        rows of that dtype and layout, else (a profile that did not measure the layout) of the dtype's ``nn``."""
         flops = 2.0 * m * n * k
-        pts = [p for p in self.gemm if p.dtype == dtype] or self.gemm
+        of_dtype = [p for p in self.gemm if p.dtype == dtype]
+        pts = ([p for p in of_dtype if p.layout == layout] or [p for p in of_dtype if p.layout == "nn"] or of_dtype
+               or self.gemm)
         if not pts:
             size = 2 if "16" in dtype else 4 if "32" in dtype else 8 if "64" in dtype else 1
             return max(flops / self.peak_flops, size * (m * k + k * n + m * n) / self.hbm_bytes_per_s)
@@ -175,20 +196,31 @@ class Profile:
     def memory_s(self, nbytes: float) -> float:
         return nbytes / self.hbm_bytes_per_s
 
-    def collective_s(self, kind: str, ranks: int, nbytes: float, calls: float) -> float:
-        """Seconds of ``calls`` collectives of ``kind`` over ``ranks`` moving ``nbytes`` of payload in all. A
-        group size not calibrated takes the nearest one's fit, scaled by the ring algorithm's factors (latency
+    def collective_s(self, kind: str, ranks: int, nbytes: float, calls: float, path: str = C10D) -> float:
+        """Seconds of ``calls`` collectives of ``kind`` over ``ranks`` moving ``nbytes`` of payload in all,
+        called by ``path`` (``c10d`` or ``functional``; a profile without fits of that path: the ``c10d`` ones).
+        A group size not calibrated takes the nearest one's fit, scaled by the ring algorithm's factors (latency
         by the steps ``n - 1``, bandwidth by ``ring_factor``)."""
         if ranks <= 1 or (nbytes <= 0 and calls <= 0):
             return 0.0
-        fits = [f for f in self.collectives if f.kind == kind] or [f for f in self.collectives
-                                                                  if f.kind == "all_reduce"]
+        on_path = [f for f in self.collectives if f.path == path]
+        if path != C10D and not on_path:
+            on_path = [f for f in self.collectives if f.path == C10D]
+        fits = [f for f in on_path if f.kind == kind] or [f for f in on_path if f.kind == "all_reduce"]
         if not fits:
             return nbytes * ring_factor(kind, ranks) / self.link_bytes_per_s
         f = min(fits, key=lambda f: (abs(math.log(f.ranks / ranks)), -f.ranks))
         lat = (ranks - 1) / max(1, f.ranks - 1)
         bw = ring_factor(kind, ranks) / max(ring_factor(f.kind, f.ranks), 1e-12)
         return calls * f.alpha_s * lat + nbytes * bw / f.beta_bytes_per_s
+
+    def contention_wait_coefficient(self) -> float:
+        """Seconds one collective call waits, beyond processor sharing, per unit of the share of time its peers
+        are off their cores: the calibrated ``contention_wait_s`` over that share at the calibration,
+        ``1 - 1 / contention_ratio`` (0 where not measured). The replay multiplies it by ``1 - cores / demand``."""
+        if self.contention_ratio <= 1.0 or self.contention_wait_s <= 0.0:
+            return 0.0
+        return self.contention_wait_s / (1.0 - 1.0 / self.contention_ratio)
 
     def router_s(self, nbytes: float, calls: float = 1.0, data_plane: str = "p2p") -> float:
         """Seconds of the router's ``calls`` transfers of ``nbytes`` in all: point-to-point (``p2p``), or through

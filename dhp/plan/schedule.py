@@ -13,6 +13,11 @@ same ``schedule_turns``, so the planner prices the order the runtime runs and th
   group's own GPUs). A pool of capacity C shares itself among the lanes running on it: each gets
   ``min(1, C / demand)`` of its full rate (processor sharing), so two collocated groups on one GPU, or four
   one-thread CPU workers on two cores, slow each other down exactly while both run;
+* on an oversubscribed pool (demand above capacity: a CPU host running more one-thread workers than it has
+  cores) a call's collectives also wait for their peers' processes to be scheduled, which processor sharing
+  does not count: each of a call's ``waits(call)`` peer waits costs the lane's ``wait_s`` x the share of time a
+  peer is off its core, ``1 - capacity / demand`` (``Profile.contention_wait_coefficient``, measured by
+  ``dhp plan calibrate``), spread over the call's work;
 * every call pays the runtime's round trip (``call_s``: an actor call's submission to its start, half, and its
   result back to the driver, the other half); the driver is sequential, as the backend's loop is.
 
@@ -100,6 +105,7 @@ class Lane:
 
     pool: str
     demand: float = 1.0
+    wait_s: float = 0.0  # a peer wait's seconds per unit of the share of time peers are off their cores
 
 
 @dataclass
@@ -120,12 +126,15 @@ class _Run:
     end: float = -1.0
     left: float = 0.0
     after: Call | None = None  # what held its start: the lane's previous call, or the driver's submission
+    waits: float = 0.0  # its calls that wait for a peer rank (collectives, point-to-point transfers)
 
 
 def replay(script: list[Action], lanes: dict[str, Lane], pools: dict[str, float],
-           work: Callable[[Call], float], call_s: float = 0.0) -> Replay:
+           work: Callable[[Call], float], call_s: float = 0.0,
+           waits: Callable[[Call], float] | None = None) -> Replay:
     """Run ``script`` (``driver_script``) with each call taking ``work(call)`` seconds at its lane's full rate;
-    ``pools``: capacity per pool name; ``call_s``: an actor call's round trip (see the module docstring)."""
+    ``pools``: capacity per pool name; ``call_s``: an actor call's round trip; ``waits(call)``: its peer waits
+    (priced on an oversubscribed pool only; see the module docstring)."""
     queues: dict[str, list[_Run]] = {g: [] for g in lanes}
     runs: dict[Call, _Run] = {}
     now, driver, last_seen = 0.0, 0.0, None
@@ -136,7 +145,8 @@ def replay(script: list[Action], lanes: dict[str, Lane], pools: dict[str, float]
             act = script[pc]
             if act.op == "submit":
                 for c in act.calls:
-                    r = _Run(c, driver + call_s / 2, max(0.0, work(c)), after=last_seen)
+                    r = _Run(c, driver + call_s / 2, max(0.0, work(c)), after=last_seen,
+                             waits=max(0.0, waits(c)) if waits else 0.0)
                     r.left = r.work
                     runs[c] = r
                     queues[c.group].append(r)
@@ -185,7 +195,7 @@ def _advance(queues: dict[str, list[_Run]], lanes: dict[str, Lane], pools: dict[
         demand: dict[str, float] = {}
         for g in running:
             demand[lanes[g].pool] = demand.get(lanes[g].pool, 0.0) + lanes[g].demand
-        rate = {g: min(1.0, pools[lanes[g].pool] / demand[lanes[g].pool]) for g in running}
+        rate = {g: run_rate(r, lanes[g], pools[lanes[g].pool], demand[lanes[g].pool]) for g, r in running.items()}
         dt = min(r.left / rate[g] for g, r in running.items())
         if waiting:
             dt = min(dt, min(waiting) - now)
@@ -197,6 +207,17 @@ def _advance(queues: dict[str, list[_Run]], lanes: dict[str, Lane], pools: dict[
                 r.left, r.end, ended = 0.0, now, True
         if ended:
             return now
+
+
+def run_rate(run: _Run, lane: Lane, capacity: float, demand: float) -> float:
+    """Work seconds per second of a running call: its share of the pool, ``min(1, capacity / demand)``, and on an
+    oversubscribed pool its peer waits spread over its work, ``waits / work x wait_s x (1 - capacity / demand)``
+    seconds more per second of work."""
+    share = min(1.0, capacity / demand)
+    off = 1.0 - share
+    if off <= 0.0 or lane.wait_s <= 0.0 or run.waits <= 0.0 or run.work <= 0.0:
+        return share
+    return 1.0 / (1.0 / share + run.waits / run.work * lane.wait_s * off)
 
 
 def _critical(runs: dict[Call, _Run], last: Call | None) -> str:

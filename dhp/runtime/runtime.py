@@ -95,8 +95,10 @@ class Runtime:
                 local = {(m, r): self.plan.local_index((m, r)) for r in range(spec.n_ranks)}
                 self.groups[m] = WorkerGroup(
                     spec.worker_cls, m, spec.n_ranks, self.pgs[self.plan.pool_of[m]], local, spec.kwargs,
-                    self.plan.actor_resources, self.run_id, replica_size=spec.replica_size,
+                    self.plan.actor_resources, self.run_id, replica_size=spec.replica_size, bind=False,
                 )
+            for g in self.groups.values():  # every group's processes start together (imports take seconds)
+                g.bind()
             self.setup = init_process_groups(list(self.groups.values()), self.backend, self.transport,
                                              self.gpus_per_worker, self.plan.placement)
         except BaseException:

@@ -88,7 +88,10 @@ class WorkerGroup:
         resources: dict[Slot, ActorResources] | ActorResources | None = None,
         run_id: str | None = None,
         replica_size: int = 1,
+        bind: bool = True,
     ):
+        """Starts the actors. ``bind=False`` returns once they are requested, before they are up: the caller
+        calls ``bind()`` after starting its other groups, so that every group's processes start at once."""
         if n_ranks < 1:
             raise ValueError(f"{module}: n_ranks must be >= 1, got {n_ranks}")
         check_replica_size(module, n_ranks, replica_size)
@@ -102,7 +105,12 @@ class WorkerGroup:
             self._spawn(remote_cls, r, pg, bundle_of or {}, kwargs or {}, resources) for r in range(n_ranks)
         ]
         _OWNERS.update({a._actor_id.hex(): (module, r) for r, a in enumerate(self.actors)})
-        self._gather("dhp_bind", [a.dhp_bind.remote(module, r, n_ranks) for r, a in enumerate(self.actors)])
+        if bind:
+            self.bind()
+
+    def bind(self) -> None:
+        """Waits for every actor to be up and tells it its module and rank."""
+        self._gather("dhp_bind", [a.dhp_bind.remote(self.module, r, self.n_ranks) for r, a in enumerate(self.actors)])
 
     def _spawn(
         self,

@@ -97,3 +97,25 @@ def test_bad_flags_name_the_flag(demo_data, tmp_path, capsys, flags: list[str], 
     assert main(["bench", *overrides, "--layouts", "dhp", *flags]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run" / "bench.json").exists()
+
+
+@pytest.mark.parametrize("budget", [5, 40, 99, 100, 101, 1000])
+def test_cap_first_search_gives_grow_answer(budget: int) -> None:
+    """A later group's search probes its cap first: the same largest and first failure as ``grow`` from the start
+    (memory growing with the size), one probe when the cap fits, and no size probed twice."""
+    from dhp.bench import _grow_from_cap
+    from dhp.plan.search import grow
+
+    seen: list[int] = []
+
+    def probe(n: int) -> int:
+        seen.append(n)
+        return n // 4  # peak bytes grow with the size
+
+    want = grow(lambda n: n // 4, budget, 16, 400, 16)
+    got = _grow_from_cap(probe, budget, 16, 400, 16)
+    assert (got.largest, got.first_failed) == (want.largest, want.first_failed)
+    assert sorted(seen) == sorted({n for n, _ in got.probes}) and len(seen) == len(set(seen))
+    assert seen[0] == 400 and all(peak == n // 4 for n, peak in got.probes)
+    if budget >= 100:
+        assert got.probes == [(400, 100)] and got.first_failed is None

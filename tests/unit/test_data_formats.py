@@ -106,6 +106,29 @@ def test_parquet_onevision_columns_equal_jsonl(rows, demo_data, tmp_path, inline
     _same(_open(path, demo_data), _open(_jsonl(one, tmp_path / "train.jsonl"), demo_data))
 
 
+def test_the_index_build_reads_each_row_group_once(rows, demo_data, tmp_path, monkeypatch):
+    """Index tasks are runs of whole row groups (a larger group cut in runs): a group is read by one task, once,
+    and the index equals the JSONL one."""
+    from dhp.data import llava
+    from dhp.data.sources import Parquet
+
+    one = _one_image(rows)
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table(_onevision(one, demo_data, inline=True)), path, row_group_size=5)
+    runs = Parquet(path).ranges(7)
+    assert [k for lo, hi in runs for k in range(lo, hi)] == list(range(len(one))) and len(one) > 10
+    assert all(hi - lo <= 7 and hi % 5 in (0, len(one) % 5) for lo, hi in runs)  # whole groups of 5
+    assert Parquet(path).ranges(10)[0] == (0, 10) and Parquet(path).ranges(3)[:2] == [(0, 3), (3, 5)]
+    reads = []
+    real = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, g, *a, **k: reads.append(g) or real(
+        self, g, *a, **k))
+    monkeypatch.setattr(llava, "CHUNK_RECORDS", 7)  # (fixed runs of 7 would read most groups twice)
+    built = _open(path, demo_data)
+    assert sorted(reads) == list(range(-(-len(one) // 5)))
+    _same(built, _open(_jsonl(one, tmp_path / "train.jsonl"), demo_data))
+
+
 @pytest.mark.parametrize("inline", [False, True], ids=["paths", "inline"])
 def test_hf_save_to_disk_llamafactory_columns_equal_jsonl(rows, demo_data, tmp_path, inline):
     directory = _save_to_disk(_llamafactory(rows, demo_data, inline), tmp_path / "hf")

@@ -154,6 +154,27 @@ def test_the_planner_costs_are_kept_beside_the_index(data, demo_data, monkeypatc
     assert computed and costs != first and len(list(ds.index_dir.glob("costs-*.npz"))) == 2
 
 
+def test_the_per_sample_flops_are_kept_beside_the_index(data, demo_data, monkeypatch):
+    """The MFU's per-sample FLOPs equal ``dhp.observe.flops.sample_flops`` over every sample's info (a trained and a
+    frozen vision encoder), and a second start reads them back instead of visiting every sample."""
+    from dhp import inputs as inputs_mod
+    from dhp.config import load_config
+    from dhp.observe.flops import sample_flops
+
+    over = [f"data.path={data}", f"data.tokenizer={demo_data.tokenizer}", f"data.image_root={demo_data.root}",
+            "data.max_pixels=12544", "data.on_error=skip", "runtime.backend=local"]
+    run = inputs_mod.resolve_inputs(load_config(None, over))
+    ds = inputs_mod.open_dataset(inputs_mod.dataset_spec(run, run.train_path))
+    infos = [ds.info(i) for i in range(len(ds))]
+    kept = {t: inputs_mod.sample_flops(run.family, run.model_cfg, ds, {"vision": t}) for t in (True, False)}
+    for t, flops in kept.items():
+        assert flops == sample_flops(run.family, run.model_cfg, infos, {"vision": t})
+    assert kept[True]["vision"] != kept[False]["vision"] and kept[True]["text"] == kept[False]["text"]
+    monkeypatch.setattr(inputs_mod, "_compute_flops", lambda *a: pytest.fail("computed again"))
+    assert inputs_mod.sample_flops(run.family, run.model_cfg, ds, {"vision": True}) == kept[True]
+    assert len(list(ds.index_dir.glob("flops-*.npz"))) == 1
+
+
 def test_a_node_without_the_drivers_index_checks_its_own_against_the_digest(data, demo_data, tmp_path):
     cfg = _cfg(data, demo_data)
     driver = _open(cfg, demo_data)

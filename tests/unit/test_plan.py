@@ -62,6 +62,25 @@ def test_first_run_in_a_process_equals_later_ones() -> None:
     assert a.peak == b.peak and a.breakdown == b.breakdown
 
 
+def test_a_run_after_its_layouts_other_runs_equals_its_first() -> None:
+    """``measure_all`` runs a layout's jobs (every media size, checkpointing on and off) in one process, one
+    after another (``planner.bundles``), where the fake tensors' and DTensor's caches hold the layout's shapes:
+    a run there gives every figure the same run gives first in a process."""
+    from dhp.plan.measure import family_of
+    from dhp.plan.planner import bundles
+
+    cfg = tiny_cfg()
+    cfg = replace(cfg, text=replace(cfg.text, vocab_size=4104))  # a fresh op schema: the caches are cold
+    job = GroupJob("text", inner=2, inner_kind="tp", **TINY)
+    others = [replace(job, media=media_of({"vision": 256})), replace(job, activation_checkpointing=True)]
+    vision = GroupJob("vision", **TINY)
+    assert bundles([vision, job, *others], family_of()) == [[job, *others], [vision]]
+    first = measure(job, cfg).to_dict()
+    for j in others:
+        measure(j, cfg)
+    assert measure(job, cfg).to_dict() == first
+
+
 # ---- closed forms of weights, gradients and optimizer state (docs/memory.md, "Bytes per parameter") ----------
 
 
@@ -141,6 +160,28 @@ def test_json_schema(tmp_path: Any, capsys: Any) -> None:
             assert isinstance(g["ranks"], int) and g["peak_gb"] >= g["weights_gb"] > 0
             assert 0 < g["compute_s"] <= g["busy_s"] <= row["step_time_s"] + 1e-12
             assert g["busy_s"] + g["idle_s"] == pytest.approx(row["step_time_s"])
+
+
+def test_a_progress_line_per_distinct_fake_run(capsys: Any) -> None:
+    """`dhp plan` says on stderr, as each distinct fake run finishes, which it was and how long it took: one
+    line per ``canonical`` stand-in, numbered 1..n; the table stays on stdout."""
+    import re
+
+    from dhp.cli import main
+    from dhp.plan.command import job_label, model_config
+    from dhp.plan.planner import candidate_rows, canonical
+
+    strategies = ("dhp-collocated", "uniform-tp")
+    main(["plan", "tiny", "--gpus", "2", "--vision-tokens", "1024", "--text-tokens", "256",
+          "--strategies", ",".join(strategies)])
+    out, err = capsys.readouterr()
+    lines = [m.groups() for m in re.finditer(r"^dhp: plan: \[(\d+)/(\d+)\] (.+): \d+ s$", err, re.M)]
+    family, cfg = model_config("tiny")
+    rows = candidate_rows(cfg, 2, [{"vision": 1024}], 256, 1, strategies, family=family)
+    runs = {canonical(j, family) for r in rows for j in r.jobs.values()}
+    assert [(int(i), int(n)) for i, n, _ in lines] == [(i, len(runs)) for i in range(1, len(runs) + 1)]
+    assert sorted(label for *_, label in lines) == sorted(job_label(j) for j in runs)
+    assert "fastest that fits" in out and "dhp: plan: [" not in out
 
 
 def test_tp_text_gradients_are_sharded_like_the_weights() -> None:

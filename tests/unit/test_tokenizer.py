@@ -124,6 +124,7 @@ def test_render_matches_qwen_template_text(tok: Tokenizer) -> None:
 def test_ids_equal_qwen_template_plus_processor(tok: Tokenizer, messages, counts) -> None:
     ids, labels = tok.encode_conversation(messages, _images(tok, counts))
     assert ids == _reference_ids(tok, messages, counts)
+    assert tok.conversation_ids(messages, _images(tok, counts)) == ids  # (what validation counts: no labels)
     assert len(labels) == len(ids)
     assert ids.count(vision_token_ids(tok)["image_token_id"]) == sum(counts)
     supervised = [t for t in labels if t != IGNORE_INDEX]
