@@ -455,29 +455,31 @@ def replay_row(row: Row, costs: dict[str, GroupCost], pricing: Pricing, gpus: in
     busiest = {(e, j): max(len(p) for p in rnd.replicas(e)) for e in encoders for j, rnd in enumerate(plan.rounds)}
     ahead = row.encoders_ahead if row.placement == "disaggregated" else 0
 
-    def work(c: Call) -> float:
-        g = costs[c.group]
-        if c.kind in ("forward", "backward"):
-            n = busiest[(c.group, c.round)] / jobs[c.group].micro_batch_size
-            part = g.forward_mb if c.kind == "forward" else g.backward_mb
-            return n * part + (g.router_mb / 2 if n else 0.0)
-        if c.kind == "forward_backward":
-            return g.micro_batch_s
-        if c.kind == "finish_gradients":
-            return g.reduce_s
-        if c.kind == "step":
-            return g.optimizer_s
-        return 0.0  # emit, emit_grads: the router's transfer is priced in the calls that make and take it
+    def per_call(forward: str, backward: str, router: str, whole: Callable[[Any], float], reduce: str,
+                 step: str | None) -> Callable[[Call], float]:
+        """A call's share of its group's per-micro-batch figures (``GroupCosts`` fields by name): its work, or
+        the part of it that waits for a peer rank."""
 
-    def waits(c: Call) -> float:  # its calls that wait for a peer rank (priced where the host is oversubscribed)
-        g = costs[c.group]
-        if c.kind in ("forward", "backward"):
-            n = busiest[(c.group, c.round)] / jobs[c.group].micro_batch_size
-            part = g.forward_waits_mb if c.kind == "forward" else g.backward_waits_mb
-            return n * part + (g.router_waits_mb / 2 if n else 0.0)
-        if c.kind == "forward_backward":
-            return g.forward_waits_mb + g.backward_waits_mb + g.router_waits_mb
-        return g.reduce_waits if c.kind == "finish_gradients" else 0.0
+        def of(c: Call) -> float:
+            g = costs[c.group]
+            if c.kind in ("forward", "backward"):
+                n = busiest[(c.group, c.round)] / jobs[c.group].micro_batch_size
+                part = getattr(g, forward if c.kind == "forward" else backward)
+                return n * part + (getattr(g, router) / 2 if n else 0.0)
+            if c.kind == "forward_backward":
+                return whole(g)
+            if c.kind == "finish_gradients":
+                return getattr(g, reduce)
+            if c.kind == "step" and step is not None:
+                return getattr(g, step)
+            return 0.0  # emit, emit_grads: the router's transfer is priced in the calls that make and take it
+
+        return of
+
+    work = per_call("forward_mb", "backward_mb", "router_mb", lambda g: g.micro_batch_s, "reduce_s", "optimizer_s")
+    # the calls' waits for a peer rank (priced where the host is oversubscribed)
+    waits = per_call("forward_waits_mb", "backward_waits_mb", "router_waits_mb",
+                     lambda g: g.forward_waits_mb + g.backward_waits_mb + g.router_waits_mb, "reduce_waits", None)
 
     lanes, pools = _pools(row, pricing, gpus)
     script = driver_script(len(plan.rounds), encoders, language, plan.window, ahead, data_plane=data_plane(row))
