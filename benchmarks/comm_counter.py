@@ -1,10 +1,11 @@
-"""What the comm counter costs a training step: CPU time per step with and without ``CommCounter`` active.
+"""What the comm counter costs a training step: CPU time per step without a counter, with ``CommCounter``, and
+with the same counting done by a ``TorchDispatchMode`` (how ``CommCounter`` was written until 2026-12-03).
 
-Why: ``CommCounter`` is a ``TorchDispatchMode``; while it is on, every aten op of the forward and the backward
-passes through Python. Ray workers used to keep it on around every call of every step; now only
-``runtime.count_collectives=true`` (which ``dhp bench`` sets) turns it on. This measures the price it had, on
-the tiny demo model in one process (the local backend's engines, each engine call wrapped in the counter exactly
-as a worker wrapped it), alternating the two modes step by step so that drift on a shared machine hits both.
+Why: a dispatch mode sees every aten op of the forward and the backward, so every op passed through Python;
+``dhp bench`` turns counting on (``runtime.count_collectives=true``), so every step it measured paid that.
+``CommCounter`` now puts its Python kernel on the collective ops alone. This measures the three on the tiny demo
+model in one process (the local backend's engines, each engine call wrapped in the counter exactly as a worker
+wraps it), the modes taking turns step by step so that drift on a shared machine hits each.
 
     python benchmarks/comm_counter.py [--steps 8] [--out outputs/bench/comm_counter.json]
 """
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dhp.backends.local import LocalBackend
 from dhp.config import load_config
@@ -30,16 +32,33 @@ from dhp.parallel.comm import CommCounter
 ENGINE_CALLS = ("forward", "backward", "forward_backward", "finish_gradients", "grad_norm_sq", "step")
 
 
-def counted(backend: LocalBackend) -> None:
-    """Wrap every engine call in a ``CommCounter``, as ``EngineWorker`` did before ``runtime.count_collectives``."""
+class ModeCounter(TorchDispatchMode):
+    """The same counting by a dispatch mode: every op enters ``__torch_dispatch__``, the collectives are counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter = CommCounter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.counter.record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+COUNTERS = {"counted": CommCounter, "dispatch_mode": ModeCounter}
+
+
+def counted(backend: LocalBackend, mode: str = "counted") -> None:
+    """Wrap every engine call in a counter (``COUNTERS[mode]``), as ``EngineWorker`` does under
+    ``runtime.count_collectives``."""
     for engine in backend.engines:
         for name in ENGINE_CALLS:
-            bound = getattr(engine, name, None)
+            bound = engine.__dict__.pop(name, None) or getattr(engine, name, None)
             if bound is None:
                 continue
 
             def wrapper(*args, _bound=bound, **kwargs):
-                with CommCounter():
+                with COUNTERS[mode]():
                     return _bound(*args, **kwargs)
 
             setattr(engine, name, wrapper)
@@ -66,17 +85,20 @@ def main() -> None:
         backend = LocalBackend(inputs, dataset)
         costs = module_costs(inputs.family, inputs.model_cfg, dataset)
         planner = BatchPlanner(costs, {m: 1 for m in costs}, cfg.train.global_batch_size, cfg.train.micro_batch_size)
-        cpu: dict[str, list[float]] = {"plain": [], "counted": []}
-        wall: dict[str, list[float]] = {"plain": [], "counted": []}
+        modes = ("plain", "counted", "dispatch_mode")
+        cpu: dict[str, list[float]] = {m: [] for m in modes}
+        wall: dict[str, list[float]] = {m: [] for m in modes}
         step = 0
-        for i in range(2 * (args.steps + 1)):
-            mode = ("plain", "counted")[i % 2]
-            (plain if mode == "plain" else counted)(backend)
+        for i in range(len(modes) * (args.steps + 1)):
+            mode = modes[i % len(modes)]
+            plain(backend)
+            if mode != "plain":
+                counted(backend, mode)
             plan = planner.plan(step)
             step += 1
             c0, w0 = time.process_time(), time.perf_counter()
             backend.run_step(plan)
-            if i >= 2:  # one warm-up step per mode
+            if i >= len(modes):  # one warm-up step per mode
                 cpu[mode].append(time.process_time() - c0)
                 wall[mode].append(time.perf_counter() - w0)
     result = {
@@ -85,7 +107,8 @@ def main() -> None:
         "cpu_s_per_step": {m: statistics.median(v) for m, v in cpu.items()},
         "wall_s_per_step": {m: statistics.median(v) for m, v in wall.items()},
     }
-    result["cpu_ratio_counted_to_plain"] = result["cpu_s_per_step"]["counted"] / result["cpu_s_per_step"]["plain"]
+    for m in modes[1:]:
+        result[f"cpu_ratio_{m}_to_plain"] = result["cpu_s_per_step"][m] / result["cpu_s_per_step"]["plain"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -17,7 +17,9 @@ Three observers watch the same run:
 
 * ``MemTracker`` (``FSDPMemTracker`` under FSDP2) from ``torch.distributed._tools``: the rank's peak and
   its parts (weights, gradients, optimizer state, activations, the rest);
-* ``FlopCounterMode``: the rank's FLOPs of a micro-batch (forward, backward, recomputation);
+* ``dhp.plan.ops.OpTally``: what the rank dispatched, priced by ``dhp.plan.costs``, and its FLOPs of a
+  micro-batch (forward, backward, recomputation; ``ops.tally_flops``, equal to ``FlopCounterMode``'s, which
+  ``measure(flop_counter=True)`` runs beside it as the tests' check);
 * ``dhp.parallel.comm.CommCounter``: bytes per collective kind, per micro-batch and per step.
 
 The fake backend gives every group rank 0: a rank 0 of each inner group is measured (shards are balanced, so
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dhp.plan.ops import OpTally, extrapolate_phases, extrapolate_regions
+from dhp.plan.ops import OpTally, extrapolate_phases, extrapolate_regions, tally_flops
 
 GiB = 1024**3
 
@@ -88,6 +90,7 @@ class GroupResult:
     activations: int = 0  # activations at the micro-batch's peak
     retained: int = 0  # what a forward leaves for its backward (held while the text group runs)
     flops: float = 0.0  # forward + backward (+ recomputation) of one micro-batch
+    counted_flops: float = 0.0  # the same by torch's FLOP counter, where ``measure(flop_counter=True)``
     comm: dict[str, int] = field(default_factory=dict)  # payload bytes per kind, one micro-batch
     comm_sent: dict[str, int] = field(default_factory=dict)  # bytes sent to other ranks (all-to-all)
     step_comm: dict[str, int] = field(default_factory=dict)  # payload bytes per kind, once per step
@@ -457,10 +460,14 @@ def _local_flop_counter() -> Any:
 # ---- the run ---------------------------------------------------------------------------------------------------
 
 
-def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True) -> GroupResult:
+def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True,
+            flop_counter: bool = False) -> GroupResult:
     """Run one rank of ``job`` under FakeTensorMode and a fake process group; see the module docstring.
     ``fake=False``: the same code on real tensors, on this rank of the real default group (tests). ``family``:
-    the model family (``dhp.models.spec.Family``; default: the registry's default)."""
+    the model family (``dhp.models.spec.Family``; default: the registry's default). The FLOPs are the tally's
+    (``ops.tally_flops``); ``flop_counter``: count them by torch's ``FlopCounterMode`` too, into
+    ``counted_flops`` (the tally's check; off in the planner's runs: one more dispatch mode on every op, about
+    15 % of a run's time)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -492,7 +499,7 @@ def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True
                                                      for q in eng.module.parameters()}.values())
             res.weights = _local_bytes(list(eng.module.parameters()) + list(eng.module.buffers()))
             res.optimizer = _local_bytes(_optimizer_state(eng.optimizer)) if eng.optimizer else 0
-            flops, comm = _local_flop_counter(), CommCounter()
+            flops, comm = _local_flop_counter() if flop_counter else nullcontext(), CommCounter()
             tally, step_tally = OpTally(skip=_propagating), OpTally(skip=_propagating)
             with ExitStack() as stack:
                 stack.enter_context(_untracked_sharding_propagation())
@@ -520,13 +527,14 @@ def measure(job: GroupJob, model_cfg: Any, family: Any = None, fake: bool = True
             res.breakdown = fb if res.peak_fb >= res.peak_step else st
             res.peak = max(res.peak_fb, res.peak_step)
             res.activations = fb.get("Activation", 0)
-            res.flops = float(flops.get_total_flops())
             res.comm = dict(comm.bytes)
             res.comm_sent = dict(comm.sent)
             res.step_comm = dict(step.bytes)
             res.comm_calls, res.step_comm_calls = dict(comm.calls), dict(step.calls)
             res.ops = tally.tally() if not static else []
             res.step_ops = step_tally.tally()
+            res.flops = tally_flops(res.ops)
+            res.counted_flops = float(flops.get_total_flops()) if flop_counter else 0.0
     finally:
         if fake and dist.is_initialized():
             dist.destroy_process_group()

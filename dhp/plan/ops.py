@@ -1,12 +1,13 @@
 """What one rank dispatches, op by op, tallied so that a device profile can price it (``dhp.plan.costs``).
 
 The planner's fake run (``dhp.plan.measure``) already dispatches every op ``dhp train`` runs, at the rank's
-local shapes. ``OpTally`` watches that stream (beside the FLOP counter and the collective counter) and keeps,
+local shapes. ``OpTally`` watches that stream (beside the memory tracker and the collective counter) and keeps,
 per *region* between host syncs (an op whose output the host must read: ``.item()``, ``nonzero``...):
 
 * ``gemm|M|N|K|dtype[|layout]``: how many matmuls of that shape (``mm``, ``addmm``, ``bmm`` with its batch
-  folded into M, convolutions as their im2col GEMM) with their operands laid out so (``gemm_layout``: ``nt``,
-  ``tn``, ``tt``; no suffix: ``nn``, both row-major). A linear's forward hands ``mm`` its weight transposed
+  folded into M, ``baddbmm``, each also in its ``out=`` and in-place forms; convolutions as their im2col
+  GEMM) with their operands laid out so (``gemm_layout``: ``nt``, ``tn``, ``tt``; no suffix: ``nn``, both
+  row-major). A linear's forward hands ``mm`` its weight transposed
   (``x @ w.t()``, DTensor's local shard as ``F.linear``'s), its weight gradient the output gradient transposed:
   a CPU GEMM's rate depends on it (``dhp plan calibrate`` measures every layout);
 * ``attn|kernel|S|D|dtype``: FLOPs of attention calls by kernel, key length and head width;
@@ -36,7 +37,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 
-_GEMM = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+_MM = {aten.mm.default, aten.mm.out}
+_ADDMM = {aten.addmm.default, aten.addmm.out, aten.addmm_.default}  # (``out=``: the chunked loss's weight grad)
+_BMM = {aten.bmm.default, aten.bmm.out}
+_BADDBMM = {aten.baddbmm.default, aten.baddbmm.out, aten.baddbmm_.default}
 _CONV = {aten.convolution.default, aten.convolution_backward.default}
 _SYNC = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
          aten._unique2.default, aten.equal.default, aten.is_nonzero.default}
@@ -108,14 +112,14 @@ def attn_key(kernel: str, s: int, d: int, dtype: str) -> str:
 
 def _gemm(func: Any, args: tuple) -> tuple[int, int, int, str, str] | None:
     """(M, N, K, dtype, layout) of a matmul op (batch folded into M)."""
-    if func in (aten.mm.default,):
+    if func in _MM:
         a, b = args[0], args[1]
-    elif func is aten.addmm.default:
+    elif func in _ADDMM:
         a, b = args[1], args[2]
-    elif func is aten.bmm.default:
+    elif func in _BMM:
         a, b = args[0], args[1]
         return a.shape[0] * a.shape[1], b.shape[2], a.shape[2], _dtype(a), gemm_layout(a, b)
-    elif func is aten.baddbmm.default:
+    elif func in _BADDBMM:
         a, b = args[1], args[2]
         return a.shape[0] * a.shape[1], b.shape[2], a.shape[2], _dtype(a), gemm_layout(a, b)
     else:
@@ -240,6 +244,20 @@ class OpTally(TorchDispatchMode):
 
     def tally(self) -> list[dict[str, int]]:
         return [dict(r) for r in self.regions]
+
+
+def tally_flops(regions: list[dict[str, float]]) -> float:
+    """FLOPs of a tally: ``2 M N K`` per matmul (convolutions as their GEMM) and the attention calls' own. The
+    same count as ``torch.utils.flop_counter`` (``tests/unit/test_plan_profile.py``): the planner's fake runs
+    take their FLOPs from here, without that counter's dispatch mode on every op."""
+    total = 0.0
+    for key, v in merged(regions).items():
+        if key.startswith("gemm|"):
+            m, n, k, _, _ = parse_gemm_key(key)
+            total += 2.0 * m * n * k * v
+        elif key.startswith("attn|"):
+            total += v
+    return total
 
 
 def merged(regions: list[dict[str, float]]) -> dict[str, float]:

@@ -80,12 +80,20 @@ def test_bench_three_layouts(ray_cluster, demo_overrides, tmp_path):
 def check_prediction(layouts: dict, out) -> None:
     """The planner's prediction beside the measurement (issue: the ranking right, a loose bound: CPU times are
     noisy, the machine is shared by the suite's other workers) and its replay of the runtime's order against the
-    trace: every group runs the calls the replay says, in its order."""
+    trace: every group runs the calls the replay says, in its order.
+
+    The suite's other workers slow every measured step, by 10-25x at times (the CI run of 2026-12-03: the dhp
+    layout 11.8 s a step against 0.5 s on the idle machine), never speed one up: so the bound is one-sided
+    (the prediction not above twice the measurement), and the load is taken out of the rest by comparing the
+    layouts with one another: each layout's predicted / measured within 4x of every other's, and the ranking
+    of the layouts measured clearly apart (1.5x)."""
     measured = {n: r["step_time_s"] for n, r in layouts.items()}
     predicted = {n: r["predicted_step_s"] for n, r in layouts.items()}
+    ratio = {n: predicted[n] / measured[n] for n in layouts}
     for n in layouts:
-        assert 0.03 < predicted[n] / measured[n] < 2.0, (n, predicted[n], measured[n])
-    apart = [(a, b) for a in layouts for b in layouts if measured[a] * 1.3 < measured[b]]  # clearly slower
+        assert 0 < ratio[n] < 2.0, (n, predicted[n], measured[n])
+    assert max(ratio.values()) < 4 * min(ratio.values()), (predicted, measured)
+    apart = [(a, b) for a in layouts for b in layouts if measured[a] * 1.5 < measured[b]]  # clearly slower
     assert apart, measured
     for a, b in apart:
         assert predicted[a] < predicted[b], (a, b, predicted, measured)

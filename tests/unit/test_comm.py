@@ -161,9 +161,7 @@ def test_bf16_text_tp_sp_collectives_carry_bf16():
         assert {dt for _, dt in master["loss"]} <= {"bfloat16", "float32", "int64"}, master["loss"]
 
 
-def test_workers_count_collectives_only_where_asked():
-    """A plain ``dhp train`` step runs no dispatch mode in a worker (every aten op would pass through Python);
-    ``runtime.count_collectives=true`` (``dhp bench`` sets it) puts the counter around the worker's calls."""
+def _worker_counting(rank: int, world: int) -> dict:
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     from dhp.backends.ray_workers import LanguageWorker
@@ -174,8 +172,48 @@ def test_workers_count_collectives_only_where_asked():
         worker = LanguageWorker()
         cfg = load_config(None, [f"runtime.count_collectives={str(flag).lower()}"])
         worker._set_counting(SimpleNamespace(cfg=cfg))  # the part of EngineInit it reads
+        t = torch.ones(8)
         with worker.counting():
-            seen[flag] = _get_current_dispatch_mode()
-    assert seen[False] is None
-    assert isinstance(seen[True], CommCounter)
+            mode = _get_current_dispatch_mode()
+            dist.all_reduce(t)
+            torch.nn.functional.linear(t, torch.eye(8))  # an op that is not a collective
+        dist.all_reduce(t)  # outside the worker's call: not counted
+        seen[flag] = (mode, worker.comm.snapshot() if worker.comm is not None else None)
+    return seen
+
+
+def test_workers_count_collectives_only_where_asked():
+    """No worker runs a dispatch mode (every aten op would pass through Python), counting or not;
+    ``runtime.count_collectives=true`` (``dhp bench`` sets it) puts the counter around the worker's calls, and
+    only the collectives run inside them are counted."""
+    from dhp.config import load_config
+
+    for seen in run_distributed(_worker_counting, 2):
+        assert seen[False] == (None, None)
+        assert seen[True] == (None, {"all_reduce": 32})
     assert load_config(None, []).runtime.count_collectives is False  # off by default
+
+
+def test_counters_nest_and_count_nothing_once_ended():
+    """Nested counters both count; after the outer one ends, collectives of both paths (``c10d``, DTensor's
+    functional all-reduce) still run, and no counter counts them."""
+    for outer, inner, after, value in run_distributed(_nested_counters, 2):
+        assert outer == {"all_reduce": 2, "broadcast": 1} and inner == {"broadcast": 1}
+        assert after == {"all_reduce": 2, "broadcast": 1}  # unchanged by the calls after the block
+        assert value == 2.0  # a functional all-reduce of ones over 2 ranks, run after the counters
+
+
+def _nested_counters(rank: int, world: int) -> tuple:
+    import torch.distributed._functional_collectives as funcol
+
+    outer, inner = CommCounter(), CommCounter()
+    t = torch.ones(4)
+    with outer:
+        dist.all_reduce(t)
+        with inner:
+            dist.broadcast(t, 0)
+        dist.all_reduce(t)
+    before = dict(outer.calls)
+    dist.all_reduce(t)
+    summed = funcol.wait_tensor(funcol.all_reduce(torch.ones(2), "sum", dist.group.WORLD))
+    return before, dict(inner.calls), dict(outer.calls), float(summed[0])

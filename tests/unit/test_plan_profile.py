@@ -117,15 +117,19 @@ def _profile_async() -> Profile:
 
 
 def test_the_tally_counts_the_ranks_flops_exactly() -> None:
-    """Every FLOP the FLOP counter sees is in the tally, as a matmul shape or attention work, and ops/bytes."""
+    """Every FLOP the FLOP counter sees is in the tally, as a matmul shape or attention work, and ops/bytes; the
+    run's FLOPs (the tally's, ``tally_flops``) equal the counter's, on a vision SP 2 and a text TP 2 rank."""
     from dhp.models.qwen2_5_vl.config import tiny
 
     r = measure(GroupJob("vision", inner=2, inner_kind="sp", media=media_of({"vision": 256}), text_tokens=0,
-                         device="cpu"), tiny())
+                         device="cpu"), tiny(), flop_counter=True)
     tally = merged(r.ops)
     gemm = sum(2 * math.prod(int(x) for x in k.split("|")[1:4]) * v for k, v in tally.items() if k.startswith("gemm"))
     attn = sum(v for k, v in tally.items() if k.startswith("attn|sdpa_flash"))
-    assert attn > 0 and gemm + attn == r.flops
+    assert attn > 0 and gemm + attn == r.counted_flops == r.flops
+    t = measure(GroupJob("text", inner=2, inner_kind="tp", media=media_of({"vision": 64}), text_tokens=96,
+                         device="cpu"), tiny(), flop_counter=True)
+    assert t.flops == t.counted_flops > 0
     assert tally["ops"] > 100 and tally["mem_bytes"] > 0
     assert merged(r.step_ops)["mem_bytes"] >= 2 * r.optimizer  # AdamW reads and writes its state
 
