@@ -186,7 +186,7 @@ class _CountingKernels:
 
     def __init__(self) -> None:
         self.active: list[CommCounter] = []
-        self.libraries: list[torch.library.Library] = []
+        self.libraries: list[torch.library.Library] = []  # held: a Library's finalizer removes its kernels
         self.lock = threading.Lock()
 
     def activate(self, counter: CommCounter) -> None:

@@ -7,9 +7,9 @@ per *region* between host syncs (an op whose output the host must read: ``.item(
 * ``gemm|M|N|K|dtype[|layout]``: how many matmuls of that shape (``mm``, ``addmm``, ``bmm`` with its batch
   folded into M, ``baddbmm``, each also in its ``out=`` and in-place forms; convolutions as their im2col
   GEMM) with their operands laid out so (``gemm_layout``: ``nt``, ``tn``, ``tt``; no suffix: ``nn``, both
-  row-major). A linear's forward hands ``mm`` its weight transposed
-  (``x @ w.t()``, DTensor's local shard as ``F.linear``'s), its weight gradient the output gradient transposed:
-  a CPU GEMM's rate depends on it (``dhp plan calibrate`` measures every layout);
+  row-major). A linear's forward hands ``mm`` its weight transposed (``x @ w.t()``, DTensor's local shard as
+  ``F.linear``'s), its weight gradient the output gradient transposed: a CPU GEMM's rate depends on it
+  (``dhp plan calibrate`` measures every layout);
 * ``attn|kernel|S|D|dtype``: FLOPs of attention calls by kernel, key length and head width;
 * ``mem_bytes``: bytes read and written by every other op that moves data (elementwise, norms, RoPE, softmax,
   copies, the optimizer's foreach kernels): memory-bound work;
