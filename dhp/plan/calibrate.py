@@ -208,9 +208,9 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], out: 
                 (dist.send(x, 1) if rank == 0 else dist.recv(x, 0))
             points["send"].append((4 * n, _timed_collective(p2p)))
     dtensor = _dtensor_op_s(world)
-    tp, fsdp = _tp_call_s(world, dtensor), _fsdp_call_s(world)
+    fsdp = _fsdp_call_s(world)
     if rank == 0:
-        Path(out).write_text(json.dumps({**points, "dtensor_op_s": dtensor, "tp_call_s": tp, "fsdp_call_s": fsdp}))
+        Path(out).write_text(json.dumps({**points, "dtensor_op_s": dtensor, "fsdp_call_s": fsdp}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -288,10 +288,10 @@ def _fsdp_call_s(world: int, reps: int = 9) -> float:
     def step(m: torch.nn.Module) -> Callable[[], None]:
         return lambda: m(x).sum().backward()
 
-    t_plain = _timed_collective(step(plain), reps, min)
+    t_plain = _timed_collective(step(plain), reps)
     with CommCounter() as counter:
         step(sharded)()
-    t_sharded = _timed_collective(step(sharded), reps, min)
+    t_sharded = _timed_collective(step(sharded), reps)
     shard = sum(p.numel() for p in sharded[0].parameters())  # local elements per unit
     full, part = torch.empty(shard * world), torch.ones(shard)
     bare = (_timed_collective(lambda: dist.all_gather_into_tensor(full, part), reps) * counter.calls["all_gather"]
@@ -301,58 +301,10 @@ def _fsdp_call_s(world: int, reps: int = 9) -> float:
     return max(0.0, (t_sharded - t_plain - bare) / max(1, calls))
 
 
-def _tp_call_s(world: int, dtensor_op_s: float, reps: int = 9) -> float:
-    """Seconds each collective DTensor issues under TP adds in situ, beyond the collective alone and DTensor's
-    dispatch of its ops: a stack of ``FSDP_UNITS`` MLP units (up projection column-parallel, down projection
-    row-parallel over ``world`` ranks, ``parallelize_module``'s plans, as a TP language model's), forward and
-    backward of ``FSDP_TOKENS`` tokens, less the same stack at the local shards' widths unsharded, less the bare
-    functional all-reduces of the same outputs (with their ``wait_tensor``, as DTensor calls them) and less
-    ``dtensor_op_s`` per DTensor op ``OpTally`` counts in it; the rest over the collective calls. What it holds:
-    the waits for a peer that a collective inside a step sees and a barrier-aligned one does not, and the
-    redistributions' own Python (``docs/plan.md``)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from dhp.parallel.comm import CommCounter
-    from dhp.plan.ops import OpTally, merged
-
-    mesh = init_device_mesh("cpu", (world,))
-    width, hidden = FSDP_WIDTH, 4 * FSDP_WIDTH
-
-    def stack(inner: int) -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, inner), torch.nn.GELU(),
-                                                         torch.nn.Linear(inner, width)) for _ in range(FSDP_UNITS)))
-
-    local, sharded = stack(hidden // world), stack(hidden)
-    for unit in sharded:
-        parallelize_module(unit, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    x = torch.randn(FSDP_TOKENS, width, requires_grad=True)
-
-    def step(m: torch.nn.Module) -> Callable[[], None]:
-        return lambda: m(x).sum().backward()
-
-    t_local = _timed_collective(step(local), reps, min)
-    step(sharded)()  # sharding propagation's caches filled: the tally counts what a later step dispatches
-    with CommCounter() as counter, OpTally() as tally:
-        step(sharded)()
-    t_sharded = _timed_collective(step(sharded), reps, min)
-    fc = torch.ops._c10d_functional
-    group = mesh.get_group().group_name
-    y = torch.ones(FSDP_TOKENS, width)
-    calls = counter.calls["all_reduce"]
-    bare = _timed_collective(lambda: fc.wait_tensor(fc.all_reduce(y, "sum", group)), reps) * calls
-    ops = merged(tally.regions).get("dtensor_ops", 0)
-    return max(0.0, (t_sharded - t_local - bare - ops * dtensor_op_s) / max(1, calls))
-
-
-def _timed_collective(fn: Callable[[], Any], reps: int = 9,
-                      stat: Callable[[list[float]], float] = statistics.median) -> float:
-    """``stat`` (the median) over ``reps`` of the slowest rank's time of one call (each started after a barrier).
-    The median, not the least, for one collective: it waits for every rank's process to be scheduled, which a
-    run pays at every call (on a CPU host shared by its ranks, the least time is one that a training step rarely
-    sees). A step of many calls pays those waits in every repetition; its least time keeps them and drops what
-    other processes on the host took (``_fsdp_call_s``, ``_tp_call_s``)."""
+def _timed_collective(fn: Callable[[], Any], reps: int = 9) -> float:
+    """The median over ``reps`` of the slowest rank's time of one call (each started after a barrier). The
+    median, not the least: a collective waits for every rank's process to be scheduled, which a run pays at
+    every call (on a CPU host shared by its ranks, the least time is one that a training step rarely sees)."""
     import torch.distributed as dist
 
     fn()
@@ -364,7 +316,7 @@ def _timed_collective(fn: Callable[[], Any], reps: int = 9,
         t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out.append(float(t))
-    return stat(out)
+    return statistics.median(out)
 
 
 def _free_port() -> int:
@@ -395,18 +347,16 @@ def _run_ranks(target: Callable[..., None], world: int, args: tuple, what: str) 
         return json.loads(Path(out).read_text())
 
 
-HOST_TERMS = ("dtensor_op_s", "tp_call_s", "fsdp_call_s")  # measured in the collective run's processes
-
-
 def measure_collectives(ranks: tuple[int, ...],
-                        sizes: list[int]) -> tuple[list[CollectiveFit], CollectiveFit | None, dict[str, float]]:
+                        sizes: list[int]) -> tuple[list[CollectiveFit], CollectiveFit | None, float, float]:
     """Fits per kind and group size over gloo, in ``ranks`` local processes each; the send fit from 2 ranks;
-    the host's terms (``HOST_TERMS``: DTensor's dispatch cost per op, ``_dtensor_op_s``; what a TP and an FSDP2
-    collective call add in situ, ``_tp_call_s``, ``_fsdp_call_s``) from the first group's processes."""
-    fits, router, terms = [], None, {}
+    DTensor's dispatch cost per op (``_dtensor_op_s``) and FSDP2's per collective call (``_fsdp_call_s``), in the
+    first group's processes."""
+    fits, router, dtensor_s, fsdp_s = [], None, 0.0, 0.0
     for world in ranks:
         points = _run_ranks(_collective_worker, world, (sizes,), f"the {world}-process gloo collective run")
-        measured = {k: float(points.pop(k)) for k in HOST_TERMS}
+        dtensor = float(points.pop("dtensor_op_s"))
+        fsdp = float(points.pop("fsdp_call_s"))
         for key, pts in points.items():
             if not pts:
                 continue
@@ -416,8 +366,8 @@ def measure_collectives(ranks: tuple[int, ...],
                 router = fit
             else:
                 fits.append(fit)
-        terms = terms or measured
-    return fits, router, terms
+        dtensor_s, fsdp_s = dtensor_s or dtensor, fsdp_s or fsdp
+    return fits, router, dtensor_s, fsdp_s
 
 
 # ---- contention: collectives on an oversubscribed CPU host ----------------------------------------------------
@@ -592,11 +542,11 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
     per_op, per_sync = measure_host(device)
     base = roofline_for(device)
     fits: list[CollectiveFit] = []
-    router, terms, contention_s, contention_ratio = None, {}, 0.0, 0.0
+    router, dtensor_s, fsdp_s, contention_s, contention_ratio = None, 0.0, 0.0, 0.0, 0.0
     note = ""
     if device == "cpu":
         say("collectives and DTensor's dispatch (gloo, local processes)")
-        fits, router, terms = measure_collectives((2,) if quick else (2, 4), collective_sizes(quick))
+        fits, router, dtensor_s, fsdp_s = measure_collectives((2,) if quick else (2, 4), collective_sizes(quick))
         say("contention: collectives beside busy processes")
         contention_s, contention_ratio = measure_contention(os.cpu_count() or 1, 30 if quick else CONTENTION_ITERS)
     else:
@@ -611,7 +561,7 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
                    created=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                    peak_flops=max(p.flops_per_s for p in gemm), hbm_bytes_per_s=hbm,
                    link_bytes_per_s=base.link_bytes_per_s if base else hbm, cpu_op_s=per_op, sync_s=per_sync,
-                   **terms,
+                   dtensor_op_s=dtensor_s, fsdp_call_s=fsdp_s,
                    async_launch=device == "cuda", gemm=gemm, attention=attention, collectives=fits, router=router,
                    cores=(os.cpu_count() or 1) if device == "cpu" else 0,
                    threads=torch.get_num_threads() if device == "cpu" else 0, actor_call_s=call_s,

@@ -11,8 +11,7 @@ Per micro-batch of a rank:
   (the tally's functional collectives, DTensor's, by the profile's ``functional`` fits; the rest of the
   collective counter's by its ``c10d`` ones): exposed, except FSDP2's, which its prefetch overlaps with the
   compute on a device with streams (``async_launch``): hidden up to the compute's length; each FSDP2 call also
-  pays the profile's ``fsdp_call_s`` (its hooks and copies, measured in situ on a CPU host), each of DTensor's
-  (TP) its ``tp_call_s``;
+  pays the profile's ``fsdp_call_s`` (its hooks and copies, measured in situ on a CPU host);
 * the router's transfer of the embeddings and their gradients (two transfers: point-to-point, or through Ray's
   object store for the ``ray`` data plane).
 
@@ -128,8 +127,6 @@ def _phase(regions: list[dict[str, float]], comm: dict[str, int], calls: dict[st
         if job.dp > 1:  # FSDP2's own work around each of its collectives (hooks, copies, the peer's wait)
             fsdp_s += p.fsdp_call_s * sum(c.get(k, 1) for k, v in fsdp.items() if v > 0)
         inner_s += collectives_s(b, c, job.inner, p, path)
-        if path == FUNCTIONAL and job.inner > 1:  # DTensor's redistributions in a step (the peer's wait, Python)
-            inner_s += p.tp_call_s * sum(c.get(k, 1) for k, v in b.items() if v > 0)
     hidden = min(fsdp_s, compute) if p.async_launch else 0.0
     return compute, device, host, fsdp_s - hidden + inner_s, hidden
 

@@ -85,17 +85,14 @@ def check_prediction(layouts: dict, out) -> None:
     The suite's other workers slow every measured step, by 10-25x at times (the CI run of 2026-12-03: the dhp
     layout 11.8 s a step against 0.5 s on the idle machine), never speed one up: so the bound is one-sided
     (the prediction not above twice the measurement), and the load is taken out of the rest by comparing the
-    layouts with one another: the ranking of the layouts measured clearly apart (1.5x), and each layout's
-    predicted / measured within 6x of every other's. The calibration runs under the load of its moment, which
-    its in-situ terms (``fsdp_call_s``, ``tp_call_s``) take in, and not under the bench's: a clean-clone run of
-    2026-12-03 predicted 0.13 s for dhp and 0.18 s for FSDP against 6.8 s and 2.2 s measured, a spread of 4.2x
-    (on the idle machine 1.5x: 0.40-0.61, ``docs/plan.md``); hence 6x."""
+    layouts with one another: each layout's predicted / measured within 4x of every other's, and the ranking
+    of the layouts measured clearly apart (1.5x)."""
     measured = {n: r["step_time_s"] for n, r in layouts.items()}
     predicted = {n: r["predicted_step_s"] for n, r in layouts.items()}
     ratio = {n: predicted[n] / measured[n] for n in layouts}
     for n in layouts:
         assert 0 < ratio[n] < 2.0, (n, predicted[n], measured[n])
-    assert max(ratio.values()) < 6 * min(ratio.values()), (predicted, measured)
+    assert max(ratio.values()) < 4 * min(ratio.values()), (predicted, measured)
     apart = [(a, b) for a in layouts for b in layouts if measured[a] * 1.5 < measured[b]]  # clearly slower
     assert apart, measured
     for a, b in apart:
