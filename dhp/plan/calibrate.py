@@ -208,9 +208,8 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], out: 
                 (dist.send(x, 1) if rank == 0 else dist.recv(x, 0))
             points["send"].append((4 * n, _timed_collective(p2p)))
     dtensor = _dtensor_op_s(world)
-    fsdp = _fsdp_call_s(world)
     if rank == 0:
-        Path(out).write_text(json.dumps({**points, "dtensor_op_s": dtensor, "fsdp_call_s": fsdp}))
+        Path(out).write_text(json.dumps({**points, "dtensor_op_s": dtensor}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -252,53 +251,6 @@ def _dtensor_op_s(world: int, loops: int = 300) -> float:
         return lambda: [fn() for _ in range(loops)]
 
     return statistics.mean(max(0.0, (timed(many(dt)) - timed(many(local))) / loops) for dt, local in pairs)
-
-
-FSDP_UNITS, FSDP_WIDTH, FSDP_TOKENS = 6, 256, 256  # about the demo's encoder: 6 units, a few ms per forward
-
-
-def _fsdp_call_s(world: int, reps: int = 9) -> float:
-    """Seconds FSDP2 adds to each of its collective calls beyond the collective alone, measured in situ: a stack
-    of ``FSDP_UNITS`` linear units, each its own ``fully_shard`` unit (reshard after forward, as the engine's
-    ZeRO-3), forward and backward, less the same stack unsharded and less the bare all-gathers and
-    reduce-scatters of the same shards timed here; the rest over the calls (one all-gather per unit in the
-    forward, an all-gather and a reduce-scatter per unit in the backward). What it holds: the hooks' Python, the
-    copy-in and copy-out, and the waits for a peer that a collective inside a step sees and a barrier-aligned
-    one does not (on a CPU host these are most of it: about 1.5 ms a call on 2 gloo ranks here, against
-    0.3 ms for the all-gather alone; ``docs/plan.md``)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from dhp.parallel.comm import CommCounter
-
-    mesh = init_device_mesh("cpu", (world,))
-
-    def stack() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(FSDP_WIDTH, FSDP_WIDTH), torch.nn.GELU())
-                                     for _ in range(FSDP_UNITS)))
-
-    plain, sharded = stack(), stack()
-    for unit in sharded:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)  # the root, as the engine wraps its module: the units reshard after forward
-    x = torch.randn(FSDP_TOKENS, FSDP_WIDTH)
-
-    def step(m: torch.nn.Module) -> Callable[[], None]:
-        return lambda: m(x).sum().backward()
-
-    t_plain = _timed_collective(step(plain), reps)
-    with CommCounter() as counter:
-        step(sharded)()
-    t_sharded = _timed_collective(step(sharded), reps)
-    shard = sum(p.numel() for p in sharded[0].parameters())  # local elements per unit
-    full, part = torch.empty(shard * world), torch.ones(shard)
-    bare = (_timed_collective(lambda: dist.all_gather_into_tensor(full, part), reps) * counter.calls["all_gather"]
-            + _timed_collective(lambda: dist.reduce_scatter_tensor(part, full), reps)
-            * counter.calls["reduce_scatter"])
-    calls = counter.calls["all_gather"] + counter.calls["reduce_scatter"]
-    return max(0.0, (t_sharded - t_plain - bare) / max(1, calls))
 
 
 def _timed_collective(fn: Callable[[], Any], reps: int = 9) -> float:
@@ -348,15 +300,13 @@ def _run_ranks(target: Callable[..., None], world: int, args: tuple, what: str) 
 
 
 def measure_collectives(ranks: tuple[int, ...],
-                        sizes: list[int]) -> tuple[list[CollectiveFit], CollectiveFit | None, float, float]:
+                        sizes: list[int]) -> tuple[list[CollectiveFit], CollectiveFit | None, float]:
     """Fits per kind and group size over gloo, in ``ranks`` local processes each; the send fit from 2 ranks;
-    DTensor's dispatch cost per op (``_dtensor_op_s``) and FSDP2's per collective call (``_fsdp_call_s``), in the
-    first group's processes."""
-    fits, router, dtensor_s, fsdp_s = [], None, 0.0, 0.0
+    DTensor's dispatch cost per op (``_dtensor_op_s``, in the first group's processes)."""
+    fits, router, dtensor_s = [], None, 0.0
     for world in ranks:
         points = _run_ranks(_collective_worker, world, (sizes,), f"the {world}-process gloo collective run")
         dtensor = float(points.pop("dtensor_op_s"))
-        fsdp = float(points.pop("fsdp_call_s"))
         for key, pts in points.items():
             if not pts:
                 continue
@@ -366,8 +316,8 @@ def measure_collectives(ranks: tuple[int, ...],
                 router = fit
             else:
                 fits.append(fit)
-        dtensor_s, fsdp_s = dtensor_s or dtensor, fsdp_s or fsdp
-    return fits, router, dtensor_s, fsdp_s
+        dtensor_s = dtensor_s or dtensor
+    return fits, router, dtensor_s
 
 
 # ---- contention: collectives on an oversubscribed CPU host ----------------------------------------------------
@@ -542,11 +492,11 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
     per_op, per_sync = measure_host(device)
     base = roofline_for(device)
     fits: list[CollectiveFit] = []
-    router, dtensor_s, fsdp_s, contention_s, contention_ratio = None, 0.0, 0.0, 0.0, 0.0
+    router, dtensor_s, contention_s, contention_ratio = None, 0.0, 0.0, 0.0
     note = ""
     if device == "cpu":
         say("collectives and DTensor's dispatch (gloo, local processes)")
-        fits, router, dtensor_s, fsdp_s = measure_collectives((2,) if quick else (2, 4), collective_sizes(quick))
+        fits, router, dtensor_s = measure_collectives((2,) if quick else (2, 4), collective_sizes(quick))
         say("contention: collectives beside busy processes")
         contention_s, contention_ratio = measure_contention(os.cpu_count() or 1, 30 if quick else CONTENTION_ITERS)
     else:
@@ -561,7 +511,7 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
                    created=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                    peak_flops=max(p.flops_per_s for p in gemm), hbm_bytes_per_s=hbm,
                    link_bytes_per_s=base.link_bytes_per_s if base else hbm, cpu_op_s=per_op, sync_s=per_sync,
-                   dtensor_op_s=dtensor_s, fsdp_call_s=fsdp_s,
+                   dtensor_op_s=dtensor_s,
                    async_launch=device == "cuda", gemm=gemm, attention=attention, collectives=fits, router=router,
                    cores=(os.cpu_count() or 1) if device == "cpu" else 0,
                    threads=torch.get_num_threads() if device == "cpu" else 0, actor_call_s=call_s,

@@ -10,8 +10,7 @@ Per micro-batch of a rank:
   all-gathers and reduce-scatters over the data-parallel ranks), each by the fit of the path it was called by
   (the tally's functional collectives, DTensor's, by the profile's ``functional`` fits; the rest of the
   collective counter's by its ``c10d`` ones): exposed, except FSDP2's, which its prefetch overlaps with the
-  compute on a device with streams (``async_launch``): hidden up to the compute's length; each FSDP2 call also
-  pays the profile's ``fsdp_call_s`` (its hooks and copies, measured in situ on a CPU host);
+  compute on a device with streams (``async_launch``): hidden up to the compute's length;
 * the router's transfer of the embeddings and their gradients (two transfers: point-to-point, or through Ray's
   object store for the ``ray`` data plane).
 
@@ -124,8 +123,6 @@ def _phase(regions: list[dict[str, float]], comm: dict[str, int], calls: dict[st
         b = dict(b)
         fsdp = {k: b.pop(k) for k in _FSDP if k in b} if job.zero == 3 else {}
         fsdp_s += collectives_s(fsdp, c, job.dp, p, path)
-        if job.dp > 1:  # FSDP2's own work around each of its collectives (hooks, copies, the peer's wait)
-            fsdp_s += p.fsdp_call_s * sum(c.get(k, 1) for k, v in fsdp.items() if v > 0)
         inner_s += collectives_s(b, c, job.inner, p, path)
     hidden = min(fsdp_s, compute) if p.async_launch else 0.0
     return compute, device, host, fsdp_s - hidden + inner_s, hidden

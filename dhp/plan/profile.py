@@ -14,9 +14,6 @@ says what each costs on one device:
   one op on top of it, and of one host sync; ``async_launch`` says
   whether the host runs ahead of the device (CUDA: a region between syncs costs max(host, device)) or does the
   work itself (CPU: host + device);
-* ``fsdp_call_s``: what FSDP2 adds to each of its all-gathers and reduce-scatters beyond the collective's fit
-  (its hooks, copy-in and copy-out, the peer waits of a collective inside a step), measured in situ on a CPU
-  host (``dhp.plan.calibrate._fsdp_call_s``); 0 in a roofline (on a GPU the host runs ahead and hides it);
 * ``collectives``: ``alpha + bytes / beta`` per collective kind, group size and *path* (least squares over
   several sizes, ``fit_alpha_beta``), bytes being the payload a rank hands to the collective (``CommCounter``'s).
   The path is how the code calls it: ``c10d`` (``torch.distributed.all_reduce``...: FSDP2, Ulysses, the
@@ -125,7 +122,6 @@ class Profile:
     cpu_op_s: float = 0.0
     dtensor_op_s: float = 0.0  # DTensor's Python dispatch of one op, beyond its local op's ``cpu_op_s``
     sync_s: float = 0.0
-    fsdp_call_s: float = 0.0  # FSDP2's cost per all-gather or reduce-scatter call beyond the collective (in situ)
     async_launch: bool = True
     gemm: list[GemmPoint] = field(default_factory=list)
     attention: list[AttentionPoint] = field(default_factory=list)

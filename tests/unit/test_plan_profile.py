@@ -101,19 +101,6 @@ def test_calibrated_costs_interpolate_and_scale_by_group_size() -> None:
     dt = replace(p, dtensor_op_s=5e-5)
     one = GroupResult(ops=[{"ops": 10, "dtensor_ops": 4}])
     assert group_cost(GroupJob("text"), one, dt, samples=1).host_mb == pytest.approx(10 * 1e-5 + 4 * 5e-5)
-    # FSDP2's in-situ cost: each of its all-gathers and reduce-scatters over dp > 1, on top of the collective's fit
-    zero3 = GroupResult(ops=[{"ops": 10}, {"ops": 10}], forward_regions=1, comm={"all_gather": 2e6,
-                        "reduce_scatter": 1e6}, comm_calls={"all_gather": 6, "reduce_scatter": 3},
-                        forward_comm={"all_gather": 1e6}, forward_comm_calls={"all_gather": 3})
-    fs = replace(p, fsdp_call_s=1e-3)
-    for dp, calls in ((2, (3, 6)), (1, (0, 0))):  # forward: 3 all-gathers; backward: 3 more and 3 reduce-scatters
-        job3 = GroupJob("vision", dp=dp, zero=3)
-        base, more = group_cost(job3, zero3, p, samples=dp), group_cost(job3, zero3, fs, samples=dp)
-        assert more.forward_mb - base.forward_mb == pytest.approx(calls[0] * 1e-3)
-        assert more.backward_mb - base.backward_mb == pytest.approx(calls[1] * 1e-3)
-    zero1 = group_cost(GroupJob("vision", dp=2, zero=1), zero3, fs, samples=2)  # no FSDP2: no such cost
-    assert zero1.micro_batch_s == pytest.approx(group_cost(GroupJob("vision", dp=2, zero=1), zero3, p,
-                                                           samples=2).micro_batch_s)
     # host and device add up on a CPU (no async launch); a region's device time is max'ed with its host's on GPU
     job = GroupJob("text", inner=2, inner_kind="tp")
     r = GroupResult(ops=[{"mem_bytes": 1e8, "ops": 1000}, {"mem_bytes": 1e6, "ops": 1000}])
@@ -184,7 +171,7 @@ def test_calibrate_on_cpu_writes_a_profile_that_plan_reads(tmp_path: Any, capsys
     assert p.gemm and p.attention and all(g.flops_per_s > 0 for g in p.gemm)
     assert {f.kind for f in p.collectives} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
     assert all(f.alpha_s >= 0 and f.beta_bytes_per_s > 0 for f in p.collectives) and p.router is not None
-    assert p.cpu_op_s > 0 and p.hbm_bytes_per_s > 0 and p.dtensor_op_s > 0 and p.fsdp_call_s > 0
+    assert p.cpu_op_s > 0 and p.hbm_bytes_per_s > 0 and p.dtensor_op_s > 0
     assert p.actor_call_s == 0 and p.object_store is None
 
 
