@@ -1,6 +1,6 @@
 """``dhp plan calibrate``: measure a device profile (``dhp.plan.profile``) on the machine it runs on.
 
-What it measures, each the median of a few timed repetitions after a warm-up:
+What it measures, each the least time of a few timed repetitions after a warm-up unless said otherwise:
 
 * GEMMs over a grid of (M, N, K) in float32 and bfloat16 (and any extra shapes given: the planner's own), in
   every operand layout (``nn``; ``nt``: ``x @ w.t()``, what a linear's forward hands ``mm``, DTensor's local
@@ -12,9 +12,12 @@ What it measures, each the median of a few timed repetitions after a warm-up:
   DTensor's dispatch adds to an op (on CPU, in the collectives' processes; on one GPU it is left at 0);
 * collectives (all-reduce, all-gather, reduce-scatter, all-to-all) and a point-to-point send at several
   payloads, in a few local processes over gloo (CPU), fitted as ``alpha + bytes / beta`` per kind and group
-  size by least squares (``profile.fit_alpha_beta``), each size's median time; each kind by both paths the
-  code calls it by: ``torch.distributed`` (``c10d``) and ``_functional_collectives`` with its ``wait_tensor``
-  (``functional``: DTensor's, i.e. TP's), each its own fit;
+  size by least squares (``profile.fit_alpha_beta``), each size's cost in situ (``in_situ``: between compute,
+  not barrier-aligned, the mean: what a step pays); each kind by both paths the code calls it by:
+  ``torch.distributed`` (``c10d``) and ``_functional_collectives`` with its ``wait_tensor`` (``functional``:
+  DTensor's, i.e. TP's), each its own fit;
+* on CPU, what FSDP2's and TP's collective calls cost beyond their fits and DTensor's dispatch
+  (``stack_call_s``: a small FSDP2 stack and a TP stack against the same stacks unsharded);
 * on CPU, contention (``measure_contention``): two ranks running a loop of a GEMM and an all-reduce, alone and
   beside as many busy processes as the host has cores; what its all-reduces take beside them beyond processor
   sharing's prediction (their time alone x the slowdown of the same ranks' GEMMs), per all-reduce, is a
@@ -180,11 +183,15 @@ def measure_host(device: str) -> tuple[float, float]:
 # ---- collectives, in local processes ------------------------------------------------------------------------
 
 
+IN_SITU_REPS = 40  # iterations of each in-situ loop (``in_situ``); ``--quick``: half
+
+
 def collective_sizes(quick: bool) -> list[int]:
     return [2**14, 2**18, 2**22] if quick else [2**12, 2**15, 2**18, 2**21, 2**23]
 
 
-def _collective_worker(rank: int, world: int, port: int, sizes: list[int], out: str, parent: int) -> None:
+def _collective_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, out: str,
+                       parent: int) -> None:
     import torch.distributed as dist
 
     from dhp.lifetime import exit_with_parent
@@ -194,6 +201,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], out: 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     points: dict[str, list[tuple[int, float]]] = {k: [] for k in (*KINDS, *map(functional_name, KINDS), "send")}
+    chunk = _compute_chunk()
     for nbytes in sizes:
         n = max(world, nbytes // FLOAT32_BYTES // world * world)
         x = torch.ones(n)
@@ -202,16 +210,151 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], out: 
                  "reduce_scatter": lambda x=x, n=n: dist.reduce_scatter_tensor(torch.empty(n // world), x),
                  "all_to_all": lambda x=x: dist.all_to_all_single(torch.empty_like(x), x)}
         for kind, fn in {**calls, **_functional_calls(x, n, world)}.items():
-            points[kind].append((4 * n, _timed_collective(fn)))
+            points[kind].append((4 * n, in_situ(fn, chunk, reps)))
         if world == 2:
             def p2p(x: torch.Tensor = x) -> None:
                 (dist.send(x, 1) if rank == 0 else dist.recv(x, 0))
-            points["send"].append((4 * n, _timed_collective(p2p)))
+            points["send"].append((4 * n, in_situ(p2p, chunk, reps)))
     dtensor = _dtensor_op_s(world)
+    stacks = {"fsdp": _fsdp_stack(world, reps), "tp": _tp_stack(world, reps)}
     if rank == 0:
-        Path(out).write_text(json.dumps({**points, "dtensor_op_s": dtensor}))
+        Path(out).write_text(json.dumps({**points, "dtensor_op_s": dtensor, "stacks": stacks}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+IN_SITU_GEMM, IN_SITU_GEMMS = 256, 4  # the compute between two collectives of the loop: about 1 ms at 1 thread
+
+
+def _compute_chunk() -> Callable[[], None]:
+    """A rank's compute between two of its collectives in the in-situ loop (``in_situ``): a few GEMMs."""
+    a = torch.randn(IN_SITU_GEMM, IN_SITU_GEMM) * IN_SITU_GEMM**-0.5  # unit scale: no denormals, no overflow
+
+    def chunk() -> None:
+        y = a
+        for _ in range(IN_SITU_GEMMS):
+            y = y @ a
+
+    return chunk
+
+
+def in_situ(fn: Callable[[], Any], chunk: Callable[[], None], reps: int,
+            clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds one call of the collective ``fn`` adds to a step, measured as a step meets it: every rank runs
+    ``reps`` iterations of ``chunk()`` (compute) then ``fn()``, with no barrier between them, and the same
+    ``reps`` chunks alone right after; the slowest rank's mean per iteration of the first loop less the second's.
+
+    Why not a barrier-aligned call's median: inside a step the ranks reach a collective at different moments (the
+    same compute takes each process a different time on a shared host), the one that waits sleeps, and waking it
+    and the transport's threads costs what a tight, aligned loop never shows; the compute after a wait also runs
+    on cold caches. On the 2-core CPU machine a 256 KB all-reduce over 2 gloo ranks took 0.5-0.7 ms as the
+    median of aligned calls and 1.3-1.4 ms per call as the mean of such a loop (``docs/plan.md``)."""
+    import torch.distributed as dist
+
+    chunk()
+    fn()
+    dist.barrier()
+    t0 = clock()
+    for _ in range(reps):
+        chunk()
+        fn()
+    loop = clock() - t0
+    dist.barrier()
+    t0 = clock()
+    for _ in range(reps):
+        chunk()
+    alone = clock() - t0
+    t = torch.tensor([loop, alone], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return max(1e-7, float(t[0] - t[1]) / reps)
+
+
+STACK_UNITS, STACK_WIDTH, STACK_TOKENS = 6, 128, 256  # about the demo's blocks: a few ms a unit's forward
+
+
+def _stack(units: int, width: int, inner: int) -> torch.nn.Module:
+    """``units`` pre-norm MLP blocks (LayerNorm, Linear width -> inner, GELU, Linear inner -> width), the
+    parameters of a small transformer block without its attention."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, inner),
+                                                     torch.nn.GELU(), torch.nn.Linear(inner, width))
+                                 for _ in range(units)))
+
+
+def _stack_steps(m: torch.nn.Module, x: torch.Tensor, reps: int) -> float:
+    """The slowest rank's mean seconds of a forward and backward of ``m`` on ``x``, ``reps`` in a row after one
+    (no barrier between them: as ``in_situ``, a step's collectives meet their peers where they arrive)."""
+    import torch.distributed as dist
+
+    def step() -> None:
+        m(x).sum().backward()
+
+    step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    t = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _fsdp_stack(world: int, reps: int) -> dict[str, Any]:
+    """A stack of ``STACK_UNITS`` blocks, each its own FSDP2 unit (the engine's ZeRO-3: the root wrapped too,
+    the units resharded after forward), a step's seconds against the same stack unsharded on every rank; its
+    collectives' payload bytes and calls per kind (``stack_call_s`` prices them and takes the rest per call)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dhp.parallel.comm import CommCounter
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain, sharded = (_stack(STACK_UNITS, STACK_WIDTH, 4 * STACK_WIDTH) for _ in range(2))
+    for unit in sharded:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    x = torch.randn(STACK_TOKENS, STACK_WIDTH)
+    with CommCounter() as counter:
+        sharded(x).sum().backward()
+    return {"sharded_s": _stack_steps(sharded, x, reps), "plain_s": _stack_steps(plain, x, reps),
+            "bytes": dict(counter.bytes), "calls": dict(counter.calls), "dtensor_ops": 0, "path": C10D}
+
+
+def _tp_stack(world: int, reps: int) -> dict[str, Any]:
+    """The same stack under TP over ``world`` ranks (the up projection column-parallel, the down one
+    row-parallel: ``parallelize_module``'s plans, as a TP language model's MLP) against the stack at the local
+    shards' widths, unsharded; its DTensor collectives (functional) and the DTensor ops the tally counts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from dhp.parallel.comm import CommCounter
+    from dhp.plan.ops import OpTally, merged
+
+    mesh = init_device_mesh("cpu", (world,))
+    local, sharded = _stack(STACK_UNITS, STACK_WIDTH, 4 * STACK_WIDTH // world), _stack(
+        STACK_UNITS, STACK_WIDTH, 4 * STACK_WIDTH)
+    for unit in sharded:
+        parallelize_module(unit, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
+    x = torch.randn(STACK_TOKENS, STACK_WIDTH, requires_grad=True)
+    sharded(x).sum().backward()  # the sharding propagation's caches filled: count what a later step dispatches
+    with CommCounter() as counter, OpTally() as tally:
+        sharded(x).sum().backward()
+    return {"sharded_s": _stack_steps(sharded, x, reps), "plain_s": _stack_steps(local, x, reps),
+            "bytes": dict(counter.bytes), "calls": dict(counter.calls),
+            "dtensor_ops": merged(tally.tally()).get("dtensor_ops", 0), "path": FUNCTIONAL}
+
+
+def stack_call_s(stack: dict[str, Any], world: int, fits: list[CollectiveFit], dtensor_op_s: float) -> float:
+    """Seconds per collective call that a parallel stack's step took beyond what the model prices: its time less
+    the plain stack's, less its collectives by the ``fits`` (their path's, in situ) and its DTensor ops'
+    dispatch; the rest (the hooks' and redistributions' Python, copies the tally does not see as the stack's
+    own) over its collective calls, at least 0."""
+    p = Profile("stack", collectives=fits, link_bytes_per_s=1.0)
+    calls = sum(stack["calls"].values())
+    priced = sum(p.collective_s(k, world, b, stack["calls"].get(k, 1), stack["path"])
+                 for k, b in stack["bytes"].items())
+    rest = stack["sharded_s"] - stack["plain_s"] - priced - stack["dtensor_ops"] * dtensor_op_s
+    return max(0.0, rest / max(1, calls))
 
 
 def functional_name(kind: str) -> str:
@@ -253,10 +396,9 @@ def _dtensor_op_s(world: int, loops: int = 300) -> float:
     return statistics.mean(max(0.0, (timed(many(dt)) - timed(many(local))) / loops) for dt, local in pairs)
 
 
-def _timed_collective(fn: Callable[[], Any], reps: int = 9) -> float:
-    """The median over ``reps`` of the slowest rank's time of one call (each started after a barrier). The
-    median, not the least: a collective waits for every rank's process to be scheduled, which a run pays at
-    every call (on a CPU host shared by its ranks, the least time is one that a training step rarely sees)."""
+def _timed_ranks(fn: Callable[[], Any], reps: int = 9) -> float:
+    """The median over ``reps`` of the slowest rank's time of ``fn`` (each started after a barrier): a whole loop
+    of calls (the contention loops; a single collective is timed ``in_situ``)."""
     import torch.distributed as dist
 
     fn()
@@ -299,14 +441,21 @@ def _run_ranks(target: Callable[..., None], world: int, args: tuple, what: str) 
         return json.loads(Path(out).read_text())
 
 
-def measure_collectives(ranks: tuple[int, ...],
-                        sizes: list[int]) -> tuple[list[CollectiveFit], CollectiveFit | None, float]:
-    """Fits per kind and group size over gloo, in ``ranks`` local processes each; the send fit from 2 ranks;
-    DTensor's dispatch cost per op (``_dtensor_op_s``, in the first group's processes)."""
-    fits, router, dtensor_s = [], None, 0.0
+HOST_TERMS = ("dtensor_op_s", "fsdp_call_s", "tp_call_s")  # measured in the collective run's processes
+
+
+def measure_collectives(ranks: tuple[int, ...], sizes: list[int], reps: int = IN_SITU_REPS
+                        ) -> tuple[list[CollectiveFit], CollectiveFit | None, dict[str, float]]:
+    """Fits per kind and group size over gloo, in ``ranks`` local processes each, of each size's ``in_situ`` time
+    (``reps`` iterations); the send fit from 2 ranks; the host's terms from the first group's processes
+    (``HOST_TERMS``): DTensor's dispatch cost per op (``_dtensor_op_s``), and what an FSDP2 and a TP stack's
+    collective calls cost beyond their in-situ fits and DTensor's dispatch (``stack_call_s``)."""
+    fits, router, terms = [], None, {}
     for world in ranks:
-        points = _run_ranks(_collective_worker, world, (sizes,), f"the {world}-process gloo collective run")
+        points = _run_ranks(_collective_worker, world, (sizes, reps), f"the {world}-process gloo collective run")
         dtensor = float(points.pop("dtensor_op_s"))
+        stacks = points.pop("stacks")
+        new = []
         for key, pts in points.items():
             if not pts:
                 continue
@@ -315,9 +464,11 @@ def measure_collectives(ranks: tuple[int, ...],
             if kind == "send":
                 router = fit
             else:
-                fits.append(fit)
-        dtensor_s = dtensor_s or dtensor
-    return fits, router, dtensor_s
+                new.append(fit)
+        fits += new
+        terms = terms or {"dtensor_op_s": dtensor, **{f"{k}_call_s": stack_call_s(st, world, new, dtensor)
+                                                       for k, st in stacks.items()}}
+    return fits, router, terms
 
 
 # ---- contention: collectives on an oversubscribed CPU host ----------------------------------------------------
@@ -346,7 +497,7 @@ def _contention_worker(rank: int, world: int, port: int, iters: int, out: str, p
         for _ in range(iters):
             dist.all_reduce(a @ a)
 
-    compute_s, loop_s = _timed_collective(compute, reps=3), _timed_collective(loop, reps=3)
+    compute_s, loop_s = _timed_ranks(compute, reps=3), _timed_ranks(loop, reps=3)
     if rank == 0:
         Path(out).write_text(json.dumps({"compute_s": compute_s, "loop_s": loop_s, "calls": iters}))
     dist.barrier()
@@ -492,11 +643,12 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
     per_op, per_sync = measure_host(device)
     base = roofline_for(device)
     fits: list[CollectiveFit] = []
-    router, dtensor_s, contention_s, contention_ratio = None, 0.0, 0.0, 0.0
+    router, terms, contention_s, contention_ratio = None, {}, 0.0, 0.0
     note = ""
     if device == "cpu":
         say("collectives and DTensor's dispatch (gloo, local processes)")
-        fits, router, dtensor_s = measure_collectives((2,) if quick else (2, 4), collective_sizes(quick))
+        fits, router, terms = measure_collectives((2,) if quick else (2, 4), collective_sizes(quick),
+                                                  IN_SITU_REPS // 2 if quick else IN_SITU_REPS)
         say("contention: collectives beside busy processes")
         contention_s, contention_ratio = measure_contention(os.cpu_count() or 1, 30 if quick else CONTENTION_ITERS)
     else:
@@ -511,8 +663,8 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
                    created=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                    peak_flops=max(p.flops_per_s for p in gemm), hbm_bytes_per_s=hbm,
                    link_bytes_per_s=base.link_bytes_per_s if base else hbm, cpu_op_s=per_op, sync_s=per_sync,
-                   dtensor_op_s=dtensor_s,
-                   async_launch=device == "cuda", gemm=gemm, attention=attention, collectives=fits, router=router,
+                   **terms, async_launch=device == "cuda", gemm=gemm, attention=attention, collectives=fits,
+                   router=router,
                    cores=(os.cpu_count() or 1) if device == "cpu" else 0,
                    threads=torch.get_num_threads() if device == "cpu" else 0, actor_call_s=call_s,
                    object_store=store, contention_wait_s=contention_s, contention_ratio=contention_ratio)

@@ -123,7 +123,11 @@ def _phase(regions: list[dict[str, float]], comm: dict[str, int], calls: dict[st
         b = dict(b)
         fsdp = {k: b.pop(k) for k in _FSDP if k in b} if job.zero == 3 else {}
         fsdp_s += collectives_s(fsdp, c, job.dp, p, path)
+        if job.dp > 1:  # FSDP2's own work around each of its collectives (hooks, copies)
+            fsdp_s += p.fsdp_call_s * sum(c.get(k, 1) for k, v in fsdp.items() if v > 0)
         inner_s += collectives_s(b, c, job.inner, p, path)
+        if path == FUNCTIONAL and job.inner > 1:  # DTensor's redistributions around each TP collective
+            inner_s += p.tp_call_s * sum(c.get(k, 1) for k, v in b.items() if v > 0)
     hidden = min(fsdp_s, compute) if p.async_launch else 0.0
     return compute, device, host, fsdp_s - hidden + inner_s, hidden
 

@@ -122,6 +122,8 @@ class Profile:
     cpu_op_s: float = 0.0
     dtensor_op_s: float = 0.0  # DTensor's Python dispatch of one op, beyond its local op's ``cpu_op_s``
     sync_s: float = 0.0
+    fsdp_call_s: float = 0.0  # FSDP2's cost per all-gather / reduce-scatter beyond its in-situ fit (a CPU host)
+    tp_call_s: float = 0.0  # a TP (DTensor) collective's cost beyond its in-situ fit and dispatch (a CPU host)
     async_launch: bool = True
     gemm: list[GemmPoint] = field(default_factory=list)
     attention: list[AttentionPoint] = field(default_factory=list)

@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from dhp.plan.calibrate import contention_wait, gemm_operands
+from dhp.plan.calibrate import contention_wait, gemm_operands, in_situ, stack_call_s
 from dhp.plan.costs import by_path, group_cost
 from dhp.plan.measure import GroupJob, GroupResult, measure, media_of
 from dhp.plan.ops import OpTally, fcoll_calls_key, fcoll_key, functional_comm, gemm_key, gemm_layout, merged
 from dhp.plan.profile import C10D, FUNCTIONAL, CollectiveFit, GemmPoint, Profile
 from dhp.plan.schedule import Lane, driver_script, replay
+from tests.dist_utils import run_distributed
 
 
 def _profile(**kw: Any) -> Profile:
@@ -112,6 +113,62 @@ def test_the_fake_run_tells_tps_functional_collectives_from_ulysses_c10d_ones() 
     assert f_calls["all_reduce"] == tp.comm_calls["all_reduce"] - 3 > 0
     sp = measure(GroupJob("vision", inner=2, inner_kind="sp", **base), cfg)
     assert sp.comm.get("all_to_all", 0) > 0 and functional_comm(sp.ops) == ({}, {})
+
+
+# ---- collectives in situ, and what FSDP2's and TP's calls add --------------------------------------------------
+
+
+def _in_situ_on_a_clock(rank: int, world: int) -> float:
+    """``in_situ`` on a clock that only the loop's own calls move: a chunk of compute 1 s, the collective 0.25 s
+    on rank 0 and 0.5 s on rank 1."""
+    now = [0.0]
+
+    def advance(seconds: float):
+        return lambda: now.__setitem__(0, now[0] + seconds)
+
+    return in_situ(advance(0.25 * (rank + 1)), advance(1.0), reps=7, clock=lambda: now[0])
+
+
+def test_in_situ_is_the_slowest_ranks_mean_cost_per_call_beyond_its_compute() -> None:
+    """(7 x (1 + c) - 7 x 1) / 7 = c on each rank; the slowest rank's, on every rank."""
+    assert run_distributed(_in_situ_on_a_clock, 2) == [pytest.approx(0.5), pytest.approx(0.5)]
+
+
+def test_a_stacks_call_cost_is_its_time_beyond_the_plain_stack_its_priced_collectives_and_dispatch() -> None:
+    """An FSDP2 stack: 6 all-gathers of 1 MB in all and 3 reduce-scatters of 0.5 MB, c10d fits 1 ms + B / 1 GB/s
+    and 2 ms + B / 0.5 GB/s; 30 ms sharded against 10 ms plain: (20 - 7 - 7) ms over 9 calls. A TP stack
+    prices its all-reduces by the functional fit and its DTensor ops' dispatch; never below 0."""
+    fits = [CollectiveFit("all_gather", 2, 1e-3, 1e9), CollectiveFit("reduce_scatter", 2, 2e-3, 5e8),
+            CollectiveFit("all_reduce", 2, 9.0, 1.0), CollectiveFit("all_reduce", 2, 1e-3, 1e9, FUNCTIONAL)]
+    fsdp = {"sharded_s": 0.030, "plain_s": 0.010, "bytes": {"all_gather": 1e6, "reduce_scatter": 5e5},
+            "calls": {"all_gather": 6, "reduce_scatter": 3}, "dtensor_ops": 0, "path": C10D}
+    assert stack_call_s(fsdp, 2, fits, 1e-5) == pytest.approx((0.020 - (6e-3 + 1e-3) - (6e-3 + 1e-3)) / 9)
+    tp = {"sharded_s": 0.030, "plain_s": 0.010, "bytes": {"all_reduce": 2e6}, "calls": {"all_reduce": 4},
+          "dtensor_ops": 100, "path": FUNCTIONAL}
+    assert stack_call_s(tp, 2, fits, 1e-5) == pytest.approx((0.020 - (4e-3 + 2e-3) - 100 * 1e-5) / 4)
+    assert stack_call_s({**tp, "sharded_s": 0.012}, 2, fits, 1e-5) == 0.0
+
+
+def test_fsdp2_and_tp_calls_pay_their_in_situ_terms_where_they_run() -> None:
+    """Each FSDP2 all-gather or reduce-scatter over dp > 1 pays ``fsdp_call_s``, each functional (DTensor)
+    collective over tp > 1 ``tp_call_s``; a c10d collective of a TP group (the vocab-parallel loss's) neither."""
+    regions = [{fcoll_key("all_reduce"): 8e5, fcoll_calls_key("all_reduce"): 2}]
+    r = GroupResult(ops=regions, comm={"all_reduce": 10**6}, comm_calls={"all_reduce": 3}, forward_regions=1,
+                    forward_comm={"all_reduce": 10**6}, forward_comm_calls={"all_reduce": 3})
+    tp = GroupJob("text", inner=2, inner_kind="tp")
+    base, more = _profile(), _profile(tp_call_s=2e-3, fsdp_call_s=5e-3)
+    assert (group_cost(tp, r, more, samples=1).comm_exposed_mb - group_cost(tp, r, base, samples=1).comm_exposed_mb
+            == pytest.approx(2 * 2e-3))
+    one = GroupJob("text", inner=1, inner_kind="tp")
+    assert group_cost(one, r, more, samples=1).micro_batch_s == group_cost(one, r, base, samples=1).micro_batch_s
+    f = GroupResult(ops=[{}], comm={"all_gather": 10**6, "reduce_scatter": 10**6},
+                    comm_calls={"all_gather": 4, "reduce_scatter": 2}, forward_regions=1,
+                    forward_comm={"all_gather": 5 * 10**5}, forward_comm_calls={"all_gather": 2})
+    z3 = GroupJob("vision", dp=2, zero=3)
+    assert (group_cost(z3, f, more, samples=2).comm_exposed_mb - group_cost(z3, f, base, samples=2).comm_exposed_mb
+            == pytest.approx(6 * 5e-3))
+    z1 = GroupJob("vision", dp=2, zero=1)  # not FSDP2: no such calls
+    assert group_cost(z1, f, more, samples=2).micro_batch_s == group_cost(z1, f, base, samples=2).micro_batch_s
 
 
 # ---- contention on an oversubscribed host ------------------------------------------------------------------------
