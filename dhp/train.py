@@ -471,9 +471,18 @@ class Run:
                 out[f"mfu_{m}"] = mfu(flops, dt, int(stats.devices[m].get("ranks", 1)), peak.flops)
         return out
 
+    def _upcoming(self, step: int) -> StepPlan | None:
+        """Step ``step + 1``'s plan as the loaders' hint during step ``step`` (None after the last step). A lazily
+        validated run hints its unvalidated plan: a sample found bad there is swapped in the real plan, and the
+        swapped-in one is loaded when its step takes it."""
+        if step + 1 >= self.cfg.train.steps:
+            return None
+        planner = self.planner.planner if isinstance(self.planner, LazyPlanner) else self.planner
+        return planner.plan(step + 1)
+
     def _step(self, plan, step: int) -> dict:
         t0 = time.perf_counter()
-        stats = self.backend.run_step(plan)
+        stats = self.backend.run_step(plan, self._upcoming(step))
         dt = time.perf_counter() - t0
         tokens = sum(self.lengths[i] for i in plan.sample_ids)
         row = {

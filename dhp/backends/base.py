@@ -39,7 +39,7 @@ class Backend(Protocol):
 
     modules: list[str]
 
-    def run_step(self, plan: StepPlan) -> StepStats: ...
+    def run_step(self, plan: StepPlan, upcoming: StepPlan | None = None) -> StepStats: ...  # upcoming: a hint
     def state_dict(self) -> dict[str, torch.Tensor]: ...  # whole-model, our names
     def rank_state_dicts(self) -> dict[str, list[dict[str, torch.Tensor]]]: ...  # module -> every rank's weights
     def save_checkpoint(self, path: Path) -> dict[str, float]: ...  # every group writes its shards; seconds each

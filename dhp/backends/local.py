@@ -29,7 +29,9 @@ class LocalBackend:
         self.engines = [*self.encoders, self.language]
         self.modules = [e.name for e in self.engines]
 
-    def run_step(self, plan: StepPlan) -> StepStats:
+    def run_step(self, plan: StepPlan, upcoming: StepPlan | None = None) -> StepStats:
+        """One step of ``plan`` (``upcoming``, the next step's plan, is not used: this backend loads each sample
+        when it takes it)."""
         t: dict[str, float] = defaultdict(float)
         spans: list[dict] = []
         wall_start, t_start = time.time(), time.perf_counter()

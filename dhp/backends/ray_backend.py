@@ -233,7 +233,9 @@ class RayBackend:
         return self.runtime[self.lang]
 
     # ---- one step ------------------------------------------------------------------------------
-    def run_step(self, plan: StepPlan) -> StepStats:
+    def run_step(self, plan: StepPlan, upcoming: StepPlan | None = None) -> StepStats:
+        """One step of ``plan``; ``upcoming``: the next step's plan, whose first rounds the loaders start on once
+        this step's last round is submitted (so the next step's first forward finds its samples decoded)."""
         t_start, wall_start = time.perf_counter(), time.time()
         rounds = plan.rounds
         forwards: list[dict[str, Any]] = []  # [round] -> encoder -> Pending forward
@@ -271,6 +273,9 @@ class RayBackend:
                 elif e in grads:
                     self._wait_emitted([x for xs in grads[e] for x in xs])
                     backwards.append((e, self._submit_backward(e, k, grads[e])))
+        if upcoming is not None:  # the loaders decode the next step's first rounds behind this step's last calls
+            for n in (0, 1):
+                self._prefetch(n, upcoming.rounds)
         for e, refs in backwards:
             self.group(e).get("backward", refs)
         loss_sum = sum(loss for per_round in losses for loss, _ in per_round)
