@@ -40,8 +40,9 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the calibration's small grid")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out first: a TP layout's DTensor caches fill "
+                    "over the first steps (one entry per new packed length: docs/plan.md)")
     ap.add_argument("--out", default="/tmp/plan_check")
     ap.add_argument("--layouts", default="dhp,uniform_tp,fsdp," + ",".join(f"{k}={v}" for k, v in EXTRA.items()))
     ap.add_argument("--measured", default=None, help="a bench.json of an earlier run of these layouts: predict only, "
@@ -99,7 +100,7 @@ def predict_layouts(layouts: dict, overrides: list[str], out: Path, steps: int, 
             for n, lay in layouts.items()}
     out = {}
     for n, c in cfgs.items():
-        p = predict_config(c, prof)
+        p = predict_config(c, prof, step=warmup)
         out[n] = {"predicted_step_s": p["predicted_step_s"], "prediction": p}
     return out
 

@@ -145,7 +145,7 @@ def run_bench(config: str | Path | None, overrides: list[str], layouts: dict[str
             cfg.runtime.cpus_per_worker = share
         overrides = [*overrides, f"runtime.cpus_per_worker={share:g}"]
     results: dict[str, Any] = {"steps": steps, "warmup": warmup, "overrides": overrides, "layouts": {}}
-    predicted = predictions(cfgs, profile) if profile else {}
+    predicted = predictions(cfgs, profile, step=warmup) if profile else {}
     for name, cfg in cfgs.items():
         print(f"dhp bench: layout {name}: {' '.join(layouts[name])}", flush=True)
         train(cfg)
@@ -171,8 +171,9 @@ def run_bench(config: str | Path | None, overrides: list[str], layouts: dict[str
     return results
 
 
-def predictions(cfgs: dict[str, Config], profile: str | Path) -> dict[str, dict[str, Any]]:
-    """Per layout the planner's ``predicted_step_s`` on ``profile`` and its breakdown (``dhp.plan.predict``)."""
+def predictions(cfgs: dict[str, Config], profile: str | Path, step: int = 0) -> dict[str, dict[str, Any]]:
+    """Per layout the planner's ``predicted_step_s`` on ``profile`` and its breakdown (``dhp.plan.predict``), of
+    the config's step ``step`` (0-based: the first measured one), its own samples."""
     from dhp.plan.predict import predict_config
     from dhp.plan.profile import Profile
 
@@ -182,7 +183,7 @@ def predictions(cfgs: dict[str, Config], profile: str | Path) -> dict[str, dict[
         raise ConfigError(f"--profile: {e}") from None
     out = {}
     for name, cfg in cfgs.items():
-        p = predict_config(cfg, prof)
+        p = predict_config(cfg, prof, step=step)
         out[name] = {"predicted_step_s": p["predicted_step_s"], "prediction": p}
         print(f"dhp bench: layout {name}: predicted {p['predicted_step_s']:.3f} s per step ({p['pricing']})",
               flush=True)

@@ -45,6 +45,45 @@ GiB = 1024**3
 
 
 @dataclass(frozen=True)
+class SampleBatch:
+    """A micro-batch of real samples for a job (``dhp bench --profile``: the data set's own), in place of the
+    family's synthetic ones: each sample's host metadata as loaded (ids, labels, positions, grids), its media
+    data as meta tensors of the loaded shapes (no data). Compared and hashed by ``digest``; picklable, so a
+    job that holds it goes to a pool's worker as any other."""
+
+    digest: str
+    blob: bytes = field(compare=False, repr=False)
+
+    @classmethod
+    def of(cls, samples: list) -> SampleBatch:
+        import hashlib
+        import io
+
+        buf = io.BytesIO()
+        torch.save(samples, buf)
+        data = buf.getvalue()
+        return cls(hashlib.blake2b(data, digest_size=8).hexdigest(), data)
+
+    def samples(self) -> list:
+        import io
+
+        return torch.load(io.BytesIO(self.blob), weights_only=False)
+
+
+def shape_sample(full: Any, meta: Any) -> Any:
+    """A loaded sample for a ``SampleBatch``: ``full`` (loaded with its media) with every media tensor that the same
+    sample loaded without media (``meta``) holds at another shape (the pixels, the audio features: data) made a
+    meta tensor of its shape; the rest (ids, positions, grids: host metadata) kept as it is."""
+    import copy
+
+    out = copy.copy(full)
+    out.media = {k: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                 if isinstance(t, torch.Tensor) and tuple(t.shape) != tuple(meta.media[k].shape) else t
+                 for k, t in full.media.items()}
+    return out
+
+
+@dataclass(frozen=True)
 class GroupJob:
     """One module group's layout and its work per micro-batch: ``micro_batch_size`` samples of the family's
     ``synthetic_sample`` with ``media`` and ``text_tokens``."""
@@ -67,6 +106,8 @@ class GroupJob:
     static: bool = False  # build, gradients and optimizer state only: no forward (closed-form checks)
     lora_rank: int = 0  # <module>.lora.r: adapters only, the base frozen in the compute dtype (0: trained whole)
     lora_targets: str = "all-linear"  # <module>.lora.target_modules (a regex or all-linear; a list joined by ",")
+    batch: SampleBatch | None = None  # real samples for the micro-batch (then ``media``/``text_tokens`` size only
+    # the encoders' output widths, and an encoder's micro-batch is the samples that carry its media)
 
     @property
     def ranks(self) -> int:
@@ -256,16 +297,28 @@ class _Inputs:
     media: list[MediaInput] = field(default_factory=list)
 
 
+def batch_samples(batch: SampleBatch) -> list:
+    """A ``SampleBatch``'s samples as the planner's run takes them: media fake (made under ``_shape_mode``, made
+    afresh where the run counts them: ``materialized``), host metadata real."""
+    samples = batch.samples()  # (loaded outside the mode: the host metadata stays real)
+    with _shape_mode():
+        return [_map_tensors(s, lambda t: torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t) for s in samples]
+
+
 def _inputs(job: GroupJob, model_cfg: Any, family: Any) -> _Inputs:
     from dhp.config import compute_dtype
 
+    real = batch_samples(job.batch) if job.batch is not None else None
     if not is_language(family, job.module):
+        if real is not None:  # the samples that carry this encoder's media (none: no micro-batch, as the engine)
+            enc = family.module(job.module)
+            return _Inputs(samples=[s for s in real if enc.num_placeholders(s, model_cfg)])
         if not job.tokens(job.module):
             return _Inputs()  # no media for this encoder: it runs no micro-batch (as the engine skips it)
         return _Inputs(samples=synthetic_samples(job, model_cfg, family, {job.module: job.tokens(job.module)}))
     from dhp.data.batch import pack
 
-    samples = synthetic_samples(job, model_cfg, family)
+    samples = real if real is not None else synthetic_samples(job, model_cfg, family)
     cfg = _config(job)
     payload = torch.bfloat16 if compute_dtype(cfg.train, job.device) == "bfloat16" else torch.float32
     media = media_inputs(job, model_cfg, family, samples, payload)

@@ -435,23 +435,24 @@ def _pools(row: Row, pricing: Pricing, gpus: int) -> tuple[dict[str, Lane], dict
 
 
 def replay_row(row: Row, costs: dict[str, GroupCost], pricing: Pricing, gpus: int, samples: int,
-               language: str) -> Replay:
+               language: str, plan: Any = None) -> Replay:
     """The row's step replayed as the runtime runs it (``dhp.plan.schedule``): its batch plan's rounds (each
     encoder replica's samples per round from the trainer's own ``BatchPlanner`` over ``samples`` samples of
-    equal cost), ``schedule_turns`` with the row's placement, ``runtime.encoders_ahead`` and encoder window,
-    each call priced from the groups' costs."""
+    equal cost, or ``plan``, a real step's ``StepPlan``), ``schedule_turns`` with the row's placement,
+    ``runtime.encoders_ahead`` and encoder window, each call priced from the groups' costs."""
     from dhp.data.sampler import BatchPlanner, encoder_window
 
     jobs = row.jobs
     encoders = [k for k in jobs if k != language]
-    mbs = jobs[language].micro_batch_size
-    per_round = mbs * jobs[language].dp
-    n_rounds = max(1, samples // per_round)
-    window = encoder_window(row.encoder_window, row.placement, [jobs[e].dp for e in encoders], per_round,
-                            n_rounds)
-    dp = {k: j.dp for k, j in jobs.items()}
-    plan = BatchPlanner({k: [1.0] * samples for k in jobs}, dp, n_rounds * per_round, mbs, language=language,
-                        encoder_window=window).plan(0)
+    if plan is None:
+        mbs = jobs[language].micro_batch_size
+        per_round = mbs * jobs[language].dp
+        n_rounds = max(1, samples // per_round)
+        window = encoder_window(row.encoder_window, row.placement, [jobs[e].dp for e in encoders], per_round,
+                                n_rounds)
+        dp = {k: j.dp for k, j in jobs.items()}
+        plan = BatchPlanner({k: [1.0] * samples for k in jobs}, dp, n_rounds * per_round, mbs, language=language,
+                            encoder_window=window).plan(0)
     busiest = {(e, j): max(len(p) for p in rnd.replicas(e)) for e in encoders for j, rnd in enumerate(plan.rounds)}
     ahead = row.encoders_ahead if row.placement == "disaggregated" else 0
 
@@ -489,19 +490,22 @@ def replay_row(row: Row, costs: dict[str, GroupCost], pricing: Pricing, gpus: in
 
 def evaluate(row: Row, results: dict[GroupJob, GroupResult], dev: Device, gpus: int, limit_gb: float,
              text_tokens: int, family: Any = None, model_cfg: Any = None, pricing: Pricing | None = None,
-             samples: int | None = None) -> Row:
+             samples: int | None = None, plan: Any = None) -> Row:
     """The row's step time, throughput, per-group peaks (a group's own peak, plus on a collocated GPU what the
     other groups hold meanwhile) and per-group time breakdown. ``pricing``: the device profiles (default: the
-    roofline of ``dev``); ``samples``: per step (default ``micro_batch_size`` per GPU). ``model_cfg`` is needed
-    only for a row without ``tokens_per_sample``."""
+    roofline of ``dev``); ``samples``: per step (default ``micro_batch_size`` per GPU); ``plan``: a real step's
+    ``StepPlan`` (``dhp bench --profile``: its rounds, and each group's samples, those that carry its media).
+    ``model_cfg`` is needed only for a row without ``tokens_per_sample``."""
     family = family_of(family)
     pricing = pricing or Pricing(roofline(dev))
     language = family.language.name
     samples = samples or gpus * next(iter(row.jobs.values())).micro_batch_size
     res = {k: results[j] for k, j in row.jobs.items()}
-    costs = {k: group_cost(row.jobs[k], res[k], pricing.of(k), samples, pricing.link, data_plane(row))
+    per_group = {k: (sum(len(p) for rnd in plan.rounds for p in rnd.replicas(k)) if plan is not None else samples)
+                 for k in row.jobs}
+    costs = {k: group_cost(row.jobs[k], res[k], pricing.of(k), per_group[k], pricing.link, data_plane(row))
              for k in row.jobs}
-    rep = replay_row(row, costs, pricing, gpus, samples, language)
+    rep = replay_row(row, costs, pricing, gpus, samples, language, plan)
     step, path = rep.step_s, rep.critical_path
     resident = {k: r.weights + r.grads + r.optimizer + (r.retained if k != language else 0) for k, r in res.items()}
     groups = {}

@@ -1,13 +1,17 @@
 """The planner's step time for a training config as it stands (``dhp bench --profile``, ``benchmarks/plan_check.py``).
 
-A config's layout (``planner.config_jobs``) on its own data: the data set's mean sample (per encoder the mean
-of its input tokens over the samples that carry it, placeholders x the family's input tokens per placeholder;
-the mean text besides the placeholders), ``train.micro_batch_size`` of them per micro-batch and
-``train.global_batch_size`` per step, the config's placement, ``runtime.encoders_ahead`` and encoder window,
-priced on a device profile and replayed as the runtime runs it (``dhp.plan.schedule``: on a CPU profile the
-ranks running at a moment share the host's cores). A mean sample prices the mean of matmul work, not
-attention's (quadratic in each sample's length): on data of even sizes (the demo's) the two agree; on mixed
-lengths the prediction is low for attention-bound encoders.
+A config's layout (``planner.config_jobs``), its placement, ``runtime.encoders_ahead`` and encoder window, priced
+on a device profile and replayed as the runtime runs it (``dhp.plan.schedule``: on a CPU profile the ranks
+running at a moment share the host's cores), on its own data:
+
+* ``step`` given (what ``dhp bench`` does: its first measured step): that step's plan by the trainer's own
+  planner (its rounds; each group's samples, an encoder's being those that carry its media), and per group one
+  micro-batch of the step's real samples (``real_batches``: their host metadata as loaded, their media as shapes)
+  in place of the family's synthetic ones: mixed lengths, several images to a sample, text-only samples priced
+  as they are (attention is quadratic per sample, and the ops a micro-batch dispatches grow with its segments);
+* without it, the data set's mean sample (per encoder the mean of its input tokens over the samples that carry
+  it, placeholders x the family's input tokens per placeholder; the mean text besides the placeholders),
+  ``train.micro_batch_size`` of them per micro-batch and ``train.global_batch_size`` per step for every group.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from dhp.plan.measure import GroupJob
+from dhp.plan.measure import GroupJob, SampleBatch, shape_sample
 from dhp.plan.profile import Profile
 
 _SHAPES: dict[str, tuple[Any, Any, dict[str, int], int]] = {}
@@ -49,9 +53,31 @@ def data_shape(cfg: Any, limit: int = 512) -> tuple[Any, Any, dict[str, int], in
     return _SHAPES[key]
 
 
-def predict_config(cfg: Any, profile: Profile, workers: int = 1) -> dict[str, Any]:
+def real_batches(cfg: Any, family: Any, step: int) -> tuple[Any, dict[str, SampleBatch]]:
+    """(step ``step``'s plan, by the trainer's own planner over the config's data; per module group a micro-batch of
+    it as a ``SampleBatch``): the language model's first round (its first replica's samples), and each encoder's
+    busiest replica in the first round whose replicas hold any of its samples (those that carry its media)."""
+    from dhp.inputs import prepare
+
+    prepared = prepare(cfg)
+    plan = prepared.planner.plan(step)
+    ds = prepared.dataset
+    out = {}
+    for name in family.module_names:
+        if name == family.language.name:
+            ids = list(plan.rounds[0].replicas(name)[0])
+            out[name] = SampleBatch.of([ds.get(i, pixels=False) for i in ids])
+            continue
+        ids = next((list(max(rnd.replicas(name), key=len)) for rnd in plan.rounds if any(rnd.replicas(name))), [])
+        out[name] = SampleBatch.of([shape_sample(ds.get(i), ds.get(i, pixels=False)) for i in ids])
+    return plan, out
+
+
+def predict_config(cfg: Any, profile: Profile, workers: int = 1, step: int | None = None) -> dict[str, Any]:
     """``{"predicted_step_s", "critical_path", "pricing", "groups": {group: breakdown}, "calls": {group: [[kind,
-    round], ...]}}`` of one config."""
+    round], ...]}}`` of one config. ``step``: price that step of the config's own data (its plan's rounds, a
+    micro-batch of its real samples per group: ``real_batches``); None: the data set's mean sample, every group
+    taking every sample (``data_shape``)."""
     from dhp.observe.devices import get_device
     from dhp.plan.planner import Pricing, Row, config_jobs, evaluate, measure_all
 
@@ -59,14 +85,20 @@ def predict_config(cfg: Any, profile: Profile, workers: int = 1) -> dict[str, An
     device = "cuda" if profile.device_type == "cuda" else "cpu"
     jobs = config_jobs(cfg, family, media, text, device=device, micro_batch_size=cfg.train.micro_batch_size)
     jobs = {k: replace(j, text_tokens=text) for k, j in jobs.items()}
+    plan = None
+    if step is not None:
+        plan, batches = real_batches(cfg, family, step)
+        jobs = {k: replace(j, batch=batches[k], micro_batch_size=max(1, len(batches[k].samples()))
+                           if k != family.language.name else j.micro_batch_size) for k, j in jobs.items()}
     results = measure_all(list(jobs.values()), model_cfg, workers=workers, family=family)
     placement = cfg.runtime.placement if cfg.runtime.placement in ("collocated", "disaggregated") else "collocated"
     gpus = sum(j.ranks for j in jobs.values()) if placement == "disaggregated" else max(j.ranks for j in jobs.values())
     row = Row("config", media, False, jobs, placement=placement, encoders_ahead=cfg.runtime.encoders_ahead,
               encoder_window=cfg.runtime.encoder_window)
     row = evaluate(row, results, get_device("h100"), gpus, 1e9, text, family, model_cfg, pricing=Pricing(profile),
-                   samples=cfg.train.global_batch_size)
+                   samples=cfg.train.global_batch_size, plan=plan)
     calls = {g: [[c.kind, c.round] for c, _, _ in row.replay.spans if c.group == g and c.round >= 0]
              for g in jobs}  # each group's calls in the order it runs them (the trace's order, ``dhp.plan.schedule``)
     return {"predicted_step_s": row.step_time_s, "critical_path": row.critical_path, "pricing": row.pricing,
-            "sample": {"media_tokens": media, "text_tokens": text}, "groups": row.groups, "calls": calls}
+            "sample": {"media_tokens": media, "text_tokens": text, "step": step}, "groups": row.groups,
+            "calls": calls}

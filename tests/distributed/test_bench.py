@@ -75,6 +75,7 @@ def test_bench_three_layouts(ray_cluster, demo_overrides, tmp_path):
     assert sum(layouts["uniform_tp"]["comm_bytes_per_step"]["vision"].values()) == pytest.approx(tp_bytes, rel=1e-3)
     assert bench["vision_comm_ratio_sp_tp"] == pytest.approx(sp_bytes / tp_bytes, rel=0.01)
     check_prediction(layouts, out)
+    check_look_ahead(layouts, out)
 
 
 def check_prediction(layouts: dict, out) -> None:
@@ -104,3 +105,16 @@ def check_prediction(layouts: dict, out) -> None:
             traced = [[e["name"], e["args"]["round"]] for e in sorted(events, key=lambda e: e["ts"])
                       if e["module"] == group]
             assert traced == [c for c in calls if c[0] in ("forward", "backward", "forward_backward")], (n, group)
+
+
+def check_look_ahead(layouts: dict, out) -> None:
+    """The loaders start on a step's first round during the step before it (``RayBackend.run_step``'s
+    ``upcoming``): in the traced step 2, every encoder rank's load of round 0 began before the driver's step did
+    (the prefetch was submitted behind step 1's last calls), where a step that prefetched its own first round
+    would begin it after."""
+    for n in layouts:
+        events = read_trace(out / n / "trace.json")
+        start = next(e["ts"] for e in events if e["module"] == "driver" and e["args"].get("step") == 2)
+        loads = [e for e in events if e["name"] == "load" and e["args"].get("step") == 2
+                 and e["args"].get("round") == 0]
+        assert loads and all(e["ts"] < start for e in loads), (n, start, loads)
