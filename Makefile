@@ -34,10 +34,11 @@ lint: venv
 # xdist_group(name) share one worker (test_cluster.py: one simulated multi-node Ray cluster;
 # test_bench_max_tokens.py: one expensive module fixture, built once; tests/conftest.py groups the tests sharing
 # a module fixture, and writes the group ids pytest 9 reads, where pytest-xdist 3.8 writes ones it ignores).
+# --durations: every run ends with the 25 slowest tests, where the suite's time goes.
 TEST_WORKERS ?= 4
 
 test: venv lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
 
 clean:
 	rm -rf $(VENV) outputs

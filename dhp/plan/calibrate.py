@@ -269,7 +269,7 @@ def in_situ(fn: Callable[[], Any], chunk: Callable[[], None], reps: int,
     return max(1e-7, float(t[0] - t[1]) / reps)
 
 
-STACK_UNITS, STACK_WIDTH, STACK_TOKENS = 6, 128, 256  # about the demo's blocks: a few ms a unit's forward
+STACK_UNITS, STACK_WIDTH, STACK_TOKENS = 6, 2**7, 2**8  # a few ms a unit's forward and backward at 1 thread
 
 
 def _stack(units: int, width: int, inner: int) -> torch.nn.Module:

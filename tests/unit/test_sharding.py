@@ -230,7 +230,9 @@ def test_dp_sharding_matches_single_process(dp_results, run):
     ranks = [r[run] for r in dp_results]
     losses = [a + b for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]  # loss sums add up
     bf16 = mode == "fsdp-bf16"
-    assert losses == pytest.approx(ref["losses"], rel=1e-3 if bf16 else 1e-5)
+    # AdamW: the same 1e-4 as its norms (a near-zero gradient's rounding can flip its first update's sign, which
+    # moves the next step's loss: 2e-5 relative on the vision ZeRO-1 run on this machine's CPU, 2026-12-06)
+    assert losses == pytest.approx(ref["losses"], rel=1e-3 if bf16 else 1e-5 if opt == "sgd" else 1e-4)
     for r in ranks:  # every rank sees the same global norm
         assert r["norms"] == pytest.approx(ref["norms"], rel=1e-2 if bf16 else 1e-5 if opt == "sgd" else 1e-4)
         assert r["dtypes"] == {torch.float32}  # master weights stay float32 under any policy
