@@ -441,15 +441,13 @@ def _run_ranks(target: Callable[..., None], world: int, args: tuple, what: str) 
         return json.loads(Path(out).read_text())
 
 
-HOST_TERMS = ("dtensor_op_s", "fsdp_call_s", "tp_call_s")  # measured in the collective run's processes
-
-
 def measure_collectives(ranks: tuple[int, ...], sizes: list[int], reps: int = IN_SITU_REPS
                         ) -> tuple[list[CollectiveFit], CollectiveFit | None, dict[str, float]]:
     """Fits per kind and group size over gloo, in ``ranks`` local processes each, of each size's ``in_situ`` time
-    (``reps`` iterations); the send fit from 2 ranks; the host's terms from the first group's processes
-    (``HOST_TERMS``): DTensor's dispatch cost per op (``_dtensor_op_s``), and what an FSDP2 and a TP stack's
-    collective calls cost beyond their in-situ fits and DTensor's dispatch (``stack_call_s``)."""
+    (``reps`` iterations); the send fit from 2 ranks; the host's terms (``Profile`` fields) from the first
+    group's processes: ``dtensor_op_s``, DTensor's dispatch cost per op (``_dtensor_op_s``), and ``fsdp_call_s``,
+    ``tp_call_s``, what an FSDP2 and a TP stack's collective calls cost beyond their in-situ fits and DTensor's
+    dispatch (``stack_call_s``)."""
     fits, router, terms = [], None, {}
     for world in ranks:
         points = _run_ranks(_collective_worker, world, (sizes, reps), f"the {world}-process gloo collective run")
