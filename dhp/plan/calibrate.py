@@ -247,26 +247,24 @@ def in_situ(fn: Callable[[], Any], chunk: Callable[[], None], reps: int,
     Why not a barrier-aligned call's median: inside a step the ranks reach a collective at different moments (the
     same compute takes each process a different time on a shared host), the one that waits sleeps, and waking it
     and the transport's threads costs what a tight, aligned loop never shows; the compute after a wait also runs
-    on cold caches. On the 2-core CPU machine a 256 KB all-reduce over 2 gloo ranks took 0.5-0.7 ms as the
+    on cold caches. On the 2-core CPU machine a 64 KB all-reduce over 2 gloo ranks took 0.5-0.7 ms as the
     median of aligned calls and 1.3-1.4 ms per call as the mean of such a loop (``docs/plan.md``)."""
+    return max(1e-7, _slowest_mean(lambda: (chunk(), fn()), reps, clock) - _slowest_mean(chunk, reps, clock))
+
+
+def _slowest_mean(fn: Callable[[], Any], reps: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The slowest rank's mean seconds of ``fn`` over ``reps`` calls in a row after one, started together (a
+    barrier) but with no barrier between the calls: their collectives meet their peers where they arrive."""
     import torch.distributed as dist
 
-    chunk()
     fn()
     dist.barrier()
     t0 = clock()
     for _ in range(reps):
-        chunk()
         fn()
-    loop = clock() - t0
-    dist.barrier()
-    t0 = clock()
-    for _ in range(reps):
-        chunk()
-    alone = clock() - t0
-    t = torch.tensor([loop, alone], dtype=torch.float64)
+    t = torch.tensor([(clock() - t0) / reps], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return max(1e-7, float(t[0] - t[1]) / reps)
+    return float(t)
 
 
 STACK_UNITS, STACK_WIDTH, STACK_TOKENS = 6, 2**7, 2**8  # a few ms a unit's forward and backward at 1 thread
@@ -281,22 +279,9 @@ def _stack(units: int, width: int, inner: int) -> torch.nn.Module:
                                  for _ in range(units)))
 
 
-def _stack_steps(m: torch.nn.Module, x: torch.Tensor, reps: int) -> float:
-    """The slowest rank's mean seconds of a forward and backward of ``m`` on ``x``, ``reps`` in a row after one
-    (no barrier between them: as ``in_situ``, a step's collectives meet their peers where they arrive)."""
-    import torch.distributed as dist
-
-    def step() -> None:
-        m(x).sum().backward()
-
-    step()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        step()
-    t = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+def _step_s(m: torch.nn.Module, x: torch.Tensor, reps: int) -> float:
+    """A forward and backward of ``m`` on ``x``: the slowest rank's mean seconds (``_slowest_mean``)."""
+    return _slowest_mean(lambda: m(x).sum().backward(), reps)
 
 
 def _fsdp_stack(world: int, reps: int) -> dict[str, Any]:
@@ -316,7 +301,7 @@ def _fsdp_stack(world: int, reps: int) -> dict[str, Any]:
     x = torch.randn(STACK_TOKENS, STACK_WIDTH)
     with CommCounter() as counter:
         sharded(x).sum().backward()
-    return {"sharded_s": _stack_steps(sharded, x, reps), "plain_s": _stack_steps(plain, x, reps),
+    return {"sharded_s": _step_s(sharded, x, reps), "plain_s": _step_s(plain, x, reps),
             "bytes": dict(counter.bytes), "calls": dict(counter.calls), "dtensor_ops": 0, "path": C10D}
 
 
@@ -339,7 +324,7 @@ def _tp_stack(world: int, reps: int) -> dict[str, Any]:
     sharded(x).sum().backward()  # the sharding propagation's caches filled: count what a later step dispatches
     with CommCounter() as counter, OpTally() as tally:
         sharded(x).sum().backward()
-    return {"sharded_s": _stack_steps(sharded, x, reps), "plain_s": _stack_steps(local, x, reps),
+    return {"sharded_s": _step_s(sharded, x, reps), "plain_s": _step_s(local, x, reps),
             "bytes": dict(counter.bytes), "calls": dict(counter.calls),
             "dtensor_ops": merged(tally.tally()).get("dtensor_ops", 0), "path": FUNCTIONAL}
 

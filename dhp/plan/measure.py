@@ -52,6 +52,7 @@ class SampleBatch:
     job that holds it goes to a pool's worker as any other."""
 
     digest: str
+    size: int  # how many samples
     blob: bytes = field(compare=False, repr=False)
 
     @classmethod
@@ -62,7 +63,7 @@ class SampleBatch:
         buf = io.BytesIO()
         torch.save(samples, buf)
         data = buf.getvalue()
-        return cls(hashlib.blake2b(data, digest_size=8).hexdigest(), data)
+        return cls(hashlib.blake2b(data, digest_size=8).hexdigest(), len(samples), data)
 
     def samples(self) -> list:
         import io

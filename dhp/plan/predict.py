@@ -88,7 +88,7 @@ def predict_config(cfg: Any, profile: Profile, workers: int = 1, step: int | Non
     plan = None
     if step is not None:
         plan, batches = real_batches(cfg, family, step)
-        jobs = {k: replace(j, batch=batches[k], micro_batch_size=max(1, len(batches[k].samples()))
+        jobs = {k: replace(j, batch=batches[k], micro_batch_size=max(1, batches[k].size)
                            if k != family.language.name else j.micro_batch_size) for k, j in jobs.items()}
     results = measure_all(list(jobs.values()), model_cfg, workers=workers, family=family)
     placement = cfg.runtime.placement if cfg.runtime.placement in ("collocated", "disaggregated") else "collocated"
