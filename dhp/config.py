@@ -42,6 +42,10 @@ class DataConfig:
     video_total_pixels: int = int(128000 * 28 * 28 * 0.9)  # per clip: each frame gets its share
     max_audio_seconds: float = 30.0  # a longer audio clip is an error (named), or skipped; at most 30 (Whisper's)
     max_length: int = 2048
+    # the language model's packed micro-batch padded to a multiple of this many tokens (dhp.data.batch.pack): unset,
+    # 64 where it runs under tensor parallelism (DTensor caches its sharding decisions by shape: lengths that repeat
+    # hit that cache), else 1 (no padding)
+    pad_to_multiple_of: int | None = None
     on_error: Literal["raise", "skip"] = "raise"
     loader_workers: int = 2  # threads per encoder worker decoding its next rounds ahead (Ray backend); 0: none
     # the data set's index (docs/data.md): validated once, over this many processes (0: one per CPU core), and kept
@@ -249,6 +253,8 @@ class Config:
         _check(0 <= t.warmup_steps, "train.warmup_steps", "must be >= 0")
         _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
         _check(self.data.max_length > 0, "data.max_length", "must be > 0")
+        _check(self.data.pad_to_multiple_of is None or self.data.pad_to_multiple_of > 0, "data.pad_to_multiple_of",
+               "must be > 0 (1: no padding), or unset (64 under tensor parallelism, else 1)")
         _check(self.data.eval_samples >= 0, "data.eval_samples", "must be >= 0 (0: no evaluation)")
         _check(0 < self.data.min_pixels <= self.data.max_pixels, "data.min_pixels",
                f"must be > 0 and <= data.max_pixels ({self.data.max_pixels})")

@@ -48,7 +48,7 @@ SampleLoader = Callable[..., Sample]  # (sample_id, pixels: bool) -> Sample
 Piece = tuple[torch.Tensor, Named]  # (token index [n] into the sample's placeholder tokens, {output name: [n, D_name]})
 
 __all__ = ["EncoderEngine", "LanguageEngine", "ModuleEngine", "Parallel", "Piece", "Precision", "assemble",
-           "assemble_slice", "precision_of", "sequence_slice", "single_process", "slot_positions"]
+           "assemble_slice", "pack_multiple", "precision_of", "sequence_slice", "single_process", "slot_positions"]
 
 
 def single_process(config: ParallelConfig | None = None) -> Parallel:
@@ -569,6 +569,7 @@ class LanguageEngine(ModuleEngine):
         self.load = load
         self.encoder_trains = {e.name: encoder_trains(cfg, e) for e in self.encoders}
         self._token_rows: dict[tuple[str, int], torch.Tensor] = {}  # (encoder, sample) -> its rows here (slices)
+        self.pack_multiple = pack_multiple(cfg, family.language.name)
 
     def forward_backward(
         self, sample_ids: list[int], pieces: dict[str, dict[int, list[Piece]]], sequence_slice: bool = False
@@ -590,8 +591,9 @@ class LanguageEngine(ModuleEngine):
 
         with host_metadata():  # the data pipeline's work: host tensors, host metadata
             samples = [self.load(i, pixels=False) for i in sample_ids]  # placeholders only: no media decoding
-            batch = pack(samples)
-            meta = batch.meta([t for enc in self.encoders for t in enc.placeholder_ids(self.model_cfg)])
+            batch = pack(samples, self.pack_multiple)
+            meta = batch.meta([t for enc in self.encoders for t in enc.placeholder_ids(self.model_cfg)],
+                              rows_multiple=self.pack_multiple)
         inputs = self._inputs(batch)  # copies issued before the media are placed: they overlap it
         bounds = self._own_slice(batch.input_ids.numel()) if sequence_slice else None
         media: dict[int, Any] = {}
@@ -704,6 +706,19 @@ class LanguageEngine(ModuleEngine):
 def encoder_trains(cfg: Config, definition: Encoder) -> bool:
     """Whether any parameter of the encoder (or its projector) trains: else it never runs a backward."""
     return cfg.module(definition.name).trainable or bool(definition.projector_prefixes and cfg.merger.trainable)
+
+
+TP_PAD_MULTIPLE = 64  # data.pad_to_multiple_of's default under tensor parallelism
+
+
+def pack_multiple(cfg: Config, language: str) -> int:
+    """The multiple the language model's packed micro-batches are padded to (``dhp.data.batch.pack``):
+    ``data.pad_to_multiple_of``, unset 64 under tensor parallelism (lengths that repeat hit DTensor's sharding
+    cache) else 1; under Megatron sequence parallelism also a multiple of tp (the sequence is cut in tp equal
+    slices). One rule for the language workers, the encoders that send them slices, and the planner."""
+    p = cfg.module(language).parallel
+    want = cfg.data.pad_to_multiple_of or (TP_PAD_MULTIPLE if p.tp > 1 else 1)
+    return math.lcm(want, p.tp) if p.sequence_parallel and p.tp > 1 else want
 
 
 def sequence_slice(n_tokens: int, tp: int, rank: int) -> tuple[int, int]:

@@ -30,8 +30,18 @@ import ray
 import torch
 
 from dhp.backends.base import process_memory_gb
+from dhp.data.batch import padded_length
 from dhp.data.loader import AheadLoader
-from dhp.engine import EncoderEngine, LanguageEngine, ModuleEngine, Parallel, Piece, sequence_slice, slot_positions
+from dhp.engine import (
+    EncoderEngine,
+    LanguageEngine,
+    ModuleEngine,
+    Parallel,
+    Piece,
+    pack_multiple,
+    sequence_slice,
+    slot_positions,
+)
 from dhp.inputs import EngineInit
 from dhp.parallel.comm import CommCounter
 from dhp.runtime import Collect, Split, WorkerBase, dispatch, produces_tensors
@@ -237,6 +247,7 @@ class EncoderWorker(EngineWorker):
         text = init.cfg.module(family.language.name).parallel
         # Megatron SP on the text side: each of its TP ranks gets the rows of its sequence slice only (p2p)
         self.text_slices = text.sequence_parallel and text.tp > 1
+        self.text_multiple = pack_multiple(init.cfg, family.language.name)  # the padding of the text's packed rows
         self.slots: dict[int, torch.Tensor] = {}  # sample id -> its placeholder positions (text_slices only)
         self.engine = EncoderEngine(family.module(self.module), family, init.model_cfg, init.cfg, self._take,
                                     par=self.par, device=init.device)
@@ -326,6 +337,7 @@ class EncoderWorker(EngineWorker):
         for i in batch:
             offsets[i] = n
             n += self.dataset.info(i).num_tokens
+        n = padded_length(n, self.text_multiple)  # the row the text ranks pack, padding included
         receivers = [(peer, *sequence_slice(n, len(ranks), t)) for t, peer in enumerate(ranks)]
         return rows_by_receiver(out, ids, offsets, self.slots, receivers, self.engine.device)
 

@@ -5,6 +5,16 @@ compute. Packing puts the samples one after the other in a single row; the
 attention never crosses a boundary (``cu_seqlens``), positions restart per
 sample, and targets are shifted per sample, so a packed batch computes exactly
 the sum of its samples' losses.
+
+Why a packed row may end in padding (``pack(samples, multiple)``): under
+tensor parallelism every op of the language model runs through DTensor, whose
+sharding decisions are cached by the operands' shapes. A new packed length
+misses that cache on every op (about 15x the op's dispatch on a CPU host:
+``docs/performance.md``), and real data brings a new length nearly every
+micro-batch. Rounding the length up to a multiple (``padded_length``) makes
+lengths repeat. The padding is one segment of its own with no supervised
+target, so no real token attends to it and the loss and its gradients are
+those of the samples alone.
 """
 
 from __future__ import annotations
@@ -80,12 +90,15 @@ class PackedMeta:
     ``[B * L]`` tokens."""
 
     cu_seqlens: tuple[int, ...]  # sample boundaries in the row (the attention's segments)
-    label_rows: torch.Tensor  # [n_supervised] long: positions whose (shifted) target is supervised, ascending
+    # [n] long: positions whose (shifted) target is supervised, ascending; then, where ``Batch.meta`` was asked to
+    # round n up, the row's last position (never a target) repeated: rows whose loss and gradient are exact zeros
+    label_rows: torch.Tensor
     placeholders: dict[int, torch.Tensor]  # placeholder token id -> its positions [n] long, ascending
+    repeats: int = 0  # the repeated last positions at the end of ``label_rows``
 
     @property
     def num_supervised(self) -> int:
-        return int(self.label_rows.numel())
+        return int(self.label_rows.numel()) - self.repeats
 
 
 @dataclass
@@ -95,22 +108,30 @@ class Batch:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [axes, 1, T]
     targets: torch.Tensor  # [1, T], already shifted per sample
-    cu_seqlens: torch.Tensor  # [n + 1] int32, sample boundaries in the row
+    cu_seqlens: torch.Tensor  # [n + 1] int32, sample boundaries in the row (and the padding's, if any)
     sample_ids: list[int] = field(default_factory=list)
 
     @property
     def num_supervised(self) -> int:
         return int((self.targets != IGNORE_INDEX).sum())
 
-    def meta(self, placeholder_ids: tuple[int, ...] | list[int] = ()) -> PackedMeta:
-        """This batch's host metadata (``PackedMeta``), read from its host tensors: call it before ``to(device)``."""
+    def meta(self, placeholder_ids: tuple[int, ...] | list[int] = (), rows_multiple: int = 1) -> PackedMeta:
+        """This batch's host metadata (``PackedMeta``), read from its host tensors: call it before ``to(device)``.
+        ``rows_multiple``: the supervised rows' count rounded up to a multiple of it by repeating the row's last
+        position (its target is never supervised): the loss's head then sees row counts that repeat (the reason
+        ``pack`` pads, for the head's DTensor ops under TP)."""
         if self.input_ids.device.type != "cpu" or self.targets.device.type != "cpu":
             raise ValueError("Batch.meta reads the batch's host tensors: call it before Batch.to(device)")
         flat_ids, flat_targets = self.input_ids.reshape(-1), self.targets.reshape(-1)
+        rows = (flat_targets != IGNORE_INDEX).nonzero().flatten()
+        extra = padded_length(rows.numel(), rows_multiple) - rows.numel()
+        if extra and flat_targets[-1] != IGNORE_INDEX:
+            raise ValueError("Batch.meta: the row's last position has a target; a packed row's never does")
         return PackedMeta(
             cu_seqlens=tuple(self.cu_seqlens.tolist()),
-            label_rows=(flat_targets != IGNORE_INDEX).nonzero().flatten(),
+            label_rows=torch.cat([rows, torch.full((extra,), flat_targets.numel() - 1, dtype=torch.long)]),
             placeholders={int(t): (flat_ids == t).nonzero().flatten() for t in placeholder_ids},
+            repeats=extra,
         )
 
     @property
@@ -127,17 +148,34 @@ class Batch:
         )
 
 
-def pack(samples: list[Sample]) -> Batch:
-    """Samples -> one packed row: ids, positions and targets concatenated in sample order."""
+PAD_ID = 0  # the padding segment's token id: any id the vocabulary has; nothing reads its output
+
+
+def padded_length(n_tokens: int, multiple: int = 1) -> int:
+    """``n_tokens`` rounded up to a multiple of ``multiple``: the length ``pack`` gives a row of ``n_tokens``."""
+    if multiple < 1:
+        raise ValueError(f"padded_length: multiple must be >= 1, got {multiple}")
+    return n_tokens + (-n_tokens % multiple)
+
+
+def pack(samples: list[Sample], multiple: int = 1) -> Batch:
+    """Samples -> one packed row: ids, positions and targets concatenated in sample order, then (``multiple``
+    > 1) a padding segment up to ``padded_length``: ids ``PAD_ID``, positions from 0, no supervised target."""
     if not samples:
         raise ValueError("pack() needs at least one sample")
-    lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.int32)
-    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    pad = padded_length(sum(s.num_tokens for s in samples), multiple) - sum(s.num_tokens for s in samples)
+    lengths = torch.tensor([s.num_tokens for s in samples] + ([pad] if pad else []), dtype=torch.int32)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lengths, 0)
+    axes = samples[0].position_ids.shape[0]
+    tail = [torch.full((pad,), PAD_ID, dtype=torch.long)] if pad else []
+    untargeted = [torch.full((pad,), IGNORE_INDEX, dtype=torch.long)] if pad else []
     return Batch(
-        input_ids=torch.cat([s.input_ids.long() for s in samples])[None],
-        position_ids=torch.cat([s.position_ids.long() for s in samples], dim=1)[:, None],
-        targets=torch.cat([shifted_targets(s.labels.long()) for s in samples])[None],
+        input_ids=torch.cat([s.input_ids.long() for s in samples] + tail)[None],
+        position_ids=torch.cat([s.position_ids.long() for s in samples]
+                               + ([torch.arange(pad).expand(axes, pad)] if pad else []), dim=1)[:, None],
+        targets=torch.cat([shifted_targets(s.labels.long()) for s in samples]
+                          + untargeted)[None],
         cu_seqlens=cu,
         sample_ids=[s.index for s in samples],
     )

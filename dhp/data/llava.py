@@ -428,7 +428,7 @@ POOL_MIN_RECORDS = 20000  # smaller files are indexed in the calling process (a 
 CHUNK_RECORDS = 2048  # records per pool task
 SETTINGS_IGNORED = ("path", "eval_path", "on_error", "loader_workers", "eval_samples", "max_new_tokens",
                     "index_workers", "index_cache", "mix_seed",
-                    "media_timeout_s")  # data keys that change nothing validation finds
+                    "media_timeout_s", "pad_to_multiple_of")  # data keys that change nothing validation finds
 
 
 def index_key(ds: _Checker, fp: str) -> tuple[str, dict[str, Any]]:

@@ -131,3 +131,49 @@ def test_batch_meta_is_host_metadata_of_the_packed_row():
     assert meta.num_supervised == b.num_supervised
     with pytest.raises(ValueError, match="before Batch.to"):
         b.to("meta").meta()
+
+
+def test_padded_pack_is_the_same_loss_and_gradients() -> None:
+    """``pack(samples, multiple)``: the row rounded up to the multiple by one segment of its own (ids ``PAD_ID``,
+    positions from 0, no target); the loss and every gradient equal the unpadded row's, and a row already at a
+    multiple is left as it is."""
+    import pytest
+
+    from dhp.data.batch import PAD_ID, padded_length
+
+    n = sum(s.num_tokens for s in SAMPLES)
+    assert [padded_length(k, 16) for k in (0, 1, 16, 17)] == [0, 16, 16, 32]
+    with pytest.raises(ValueError, match="multiple must be >= 1"):
+        padded_length(5, 0)
+    assert torch.equal(pack(SAMPLES, 1).input_ids, pack(SAMPLES).input_ids)
+    b = pack(SAMPLES, 64)
+    pad = padded_length(n, 64) - n
+    assert 0 < pad < 64 and b.num_tokens == n + pad and b.num_tokens % 64 == 0
+    assert b.cu_seqlens.tolist() == [*pack(SAMPLES).cu_seqlens.tolist(), n + pad]
+    assert b.input_ids[0, n:].eq(PAD_ID).all() and b.targets[0, n:].eq(IGNORE_INDEX).all()
+    assert b.position_ids[:, 0, n:].tolist() == [list(range(pad))] * 3
+    assert b.num_supervised == pack(SAMPLES).num_supervised and b.sample_ids == [7, 3, 11]
+    exact = pack(SAMPLES, n)
+    assert exact.num_tokens == n and len(exact.cu_seqlens) == len(SAMPLES) + 1
+
+    model = build_model(CFG, seed=0)
+    pixels, grids = torch.cat([s.pixel_values for s in SAMPLES]), torch.cat([s.image_grid_thw for s in SAMPLES])
+    embeds = model.visual(pixels, grids).detach()
+
+    def loss_and_grads(batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        leaf = embeds.clone().requires_grad_()
+        loss = model.language.loss_sum(batch.input_ids, batch.position_ids, batch.targets, leaf, batch.cu_seqlens)
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in model.language.named_parameters()}, leaf.grad
+
+    loss, grads, media = loss_and_grads(pack(SAMPLES))
+    loss_p, grads_p, media_p = loss_and_grads(b)
+    assert torch.allclose(loss_p, loss, rtol=1e-6, atol=1e-6)
+    for k in grads:
+        assert torch.allclose(grads_p[k], grads[k], rtol=1e-5, atol=1e-7), k
+    assert torch.allclose(media_p, media, rtol=1e-5, atol=1e-7)
+    # and the comparison sees the padding: were its tokens targets, the loss would move
+    supervised = pack(SAMPLES, 64)
+    supervised.targets[0, n:] = PAD_ID
+    assert not torch.allclose(loss_and_grads(supervised)[0], loss, rtol=1e-6, atol=1e-6)
