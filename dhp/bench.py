@@ -117,6 +117,7 @@ def summarize(rows: list[dict], warmup: int, modules: list[str]) -> dict[str, An
         busy = mean(r.get(f"busy_{m}", 0.0) for r in measured)
         group = {"busy": busy, "idle": max(0.0, 1.0 - busy),
                  "imbalance": mean(r.get(f"imbalance_{m}", 1.0) for r in measured),
+                 "data_wait_s": mean(r.get(f"time_{m}_data_wait_s", 0.0) for r in measured),
                  "peak_memory_gb": max(r.get(f"memory_gb_{m}", 0.0) for r in measured)}
         if all(f"mfu_{m}" in r for r in measured):
             group["mfu"] = mean(r[f"mfu_{m}"] for r in measured)

@@ -50,6 +50,7 @@ import torch
 
 from dhp.plan.ops import kernel_class
 from dhp.plan.profile import (
+    BURST,
     C10D,
     CALIBRATED,
     FUNCTIONAL,
@@ -184,6 +185,7 @@ def measure_host(device: str) -> tuple[float, float]:
 
 
 IN_SITU_REPS = 40  # iterations of each in-situ loop (``in_situ``); ``--quick``: half
+BURST_KINDS = ("all_reduce", "broadcast")  # the collectives a step's end runs back to back (``Profile`` path BURST)
 
 
 def collective_sizes(quick: bool) -> list[int]:
@@ -200,7 +202,9 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], reps:
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's *_into_tensor names, still the API here
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    points: dict[str, list[tuple[int, float]]] = {k: [] for k in (*KINDS, *map(functional_name, KINDS), "send")}
+    points: dict[str, list[tuple[int, float]]] = {
+        k: [] for k in (*KINDS, "broadcast", *map(functional_name, KINDS), *(f"{BURST}:{k}" for k in BURST_KINDS),
+                        "send")}
     chunk = _compute_chunk()
     for nbytes in sizes:
         n = max(world, nbytes // FLOAT32_BYTES // world * world)
@@ -208,9 +212,12 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], reps:
         calls = {"all_reduce": lambda x=x: dist.all_reduce(x),
                  "all_gather": lambda x=x, n=n: dist.all_gather_into_tensor(torch.empty(n * world), x),
                  "reduce_scatter": lambda x=x, n=n: dist.reduce_scatter_tensor(torch.empty(n // world), x),
-                 "all_to_all": lambda x=x: dist.all_to_all_single(torch.empty_like(x), x)}
+                 "all_to_all": lambda x=x: dist.all_to_all_single(torch.empty_like(x), x),
+                 "broadcast": lambda x=x: dist.broadcast(x, 0)}
         for kind, fn in {**calls, **_functional_calls(x, n, world)}.items():
             points[kind].append((4 * n, in_situ(fn, chunk, reps)))
+        for kind in BURST_KINDS:  # back to back, as a step's gradient reduction and ZeRO-1 broadcasts run them
+            points[f"{BURST}:{kind}"].append((4 * n, _slowest_mean(calls[kind], reps)))
         if world == 2:
             def p2p(x: torch.Tensor = x) -> None:
                 (dist.send(x, 1) if rank == 0 else dist.recv(x, 0))
@@ -342,6 +349,19 @@ def stack_call_s(stack: dict[str, Any], world: int, fits: list[CollectiveFit], d
     return max(0.0, rest / max(1, calls))
 
 
+def stack_op_s(stack: dict[str, Any], world: int, fits: list[CollectiveFit]) -> float:
+    """Seconds per DTensor op that a TP stack's step took beyond its plain stack and its collectives by the
+    ``fits`` (in situ): DTensor's dispatch as a TP layer meets it (its linears' views, transposes and matmuls on
+    sharded specs, the redistributions and ``from_local`` around its collectives), where a lone op on a replicated
+    DTensor (``_dtensor_op_s``) is the fast path's floor. 0 where the stack ran no DTensor op."""
+    if not stack["dtensor_ops"]:
+        return 0.0
+    p = Profile("stack", collectives=fits, link_bytes_per_s=1.0)
+    priced = sum(p.collective_s(k, world, b, stack["calls"].get(k, 1), stack["path"])
+                 for k, b in stack["bytes"].items())
+    return max(0.0, stack["sharded_s"] - stack["plain_s"] - priced) / stack["dtensor_ops"]
+
+
 def functional_name(kind: str) -> str:
     """The points' key of ``kind`` called through ``_functional_collectives``."""
     return f"{FUNCTIONAL}:{kind}"
@@ -429,10 +449,11 @@ def _run_ranks(target: Callable[..., None], world: int, args: tuple, what: str) 
 def measure_collectives(ranks: tuple[int, ...], sizes: list[int], reps: int = IN_SITU_REPS
                         ) -> tuple[list[CollectiveFit], CollectiveFit | None, dict[str, float]]:
     """Fits per kind and group size over gloo, in ``ranks`` local processes each, of each size's ``in_situ`` time
-    (``reps`` iterations); the send fit from 2 ranks; the host's terms (``Profile`` fields) from the first
-    group's processes: ``dtensor_op_s``, DTensor's dispatch cost per op (``_dtensor_op_s``), and ``fsdp_call_s``,
-    ``tp_call_s``, what an FSDP2 and a TP stack's collective calls cost beyond their in-situ fits and DTensor's
-    dispatch (``stack_call_s``)."""
+    (``reps`` iterations), and of the same calls back to back (path ``BURST``); the send fit from 2 ranks; the
+    host's terms (``Profile`` fields) from the first group's processes: ``dtensor_op_s``, DTensor's cost per op in
+    a TP stack (``stack_op_s``; at least a lone op's, ``_dtensor_op_s``), and ``fsdp_call_s``, ``tp_call_s``,
+    what an FSDP2 and a TP stack's collective calls cost beyond their in-situ fits and DTensor's ops
+    (``stack_call_s``; the TP stack's is 0 by construction, its rest being in ``dtensor_op_s``)."""
     fits, router, terms = [], None, {}
     for world in ranks:
         points = _run_ranks(_collective_worker, world, (sizes, reps), f"the {world}-process gloo collective run")
@@ -449,8 +470,10 @@ def measure_collectives(ranks: tuple[int, ...], sizes: list[int], reps: int = IN
             else:
                 new.append(fit)
         fits += new
-        terms = terms or {"dtensor_op_s": dtensor, **{f"{k}_call_s": stack_call_s(st, world, new, dtensor)
-                                                       for k, st in stacks.items()}}
+        if not terms:
+            op_s = max(dtensor, stack_op_s(stacks["tp"], world, new))  # DTensor's cost per op, as a TP layer pays it
+            terms = {"dtensor_op_s": op_s, **{f"{k}_call_s": stack_call_s(st, world, new, op_s)
+                                              for k, st in stacks.items()}}
     return fits, router, terms
 
 
@@ -528,6 +551,76 @@ def measure_contention(cores: int, iters: int = CONTENTION_ITERS) -> tuple[float
         for p in busy:
             p.join(timeout=30)
     return contention_wait(alone, beside, iters), (cores + 2) / cores
+
+
+# ---- compute on a host whose every core is busy ------------------------------------------------------------------
+
+BUSY_ITERS = 30  # iterations of the block loop (``_block_loop``); ``--quick``: half
+
+
+def _block_loop(iters: int) -> float:
+    """Seconds per iteration (median of 3 runs) of a small transformer block's forward and backward at one thread
+    (GEMMs, attention, a norm, elementwise ops: a model's mix of compute- and memory-bound work)."""
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x = torch.randn(256, 128, requires_grad=True)
+    w1, w2 = (torch.randn(a, b, requires_grad=True) for a, b in ((512, 128), (128, 512)))
+    qkv = torch.randn(384, 128, requires_grad=True)
+
+    def block() -> None:
+        h = F.layer_norm(x, (128,))
+        q, k, v = F.linear(h, qkv).view(256, 3, 2, 64).permute(1, 2, 0, 3)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(256, 128)
+        y = x + a + F.linear(F.gelu(F.linear(h, w1)), w2)
+        y.square().mean().backward()
+
+    def run() -> None:
+        for _ in range(iters):
+            block()
+
+    return timed(run, "cpu", reps=3, warmup=1, stat=statistics.median) / iters
+
+
+def _busy_worker(iters: int, out: str, parent: int) -> None:
+    """``_block_loop`` in a process of its own, its seconds per iteration written to ``out``."""
+    from dhp.lifetime import exit_with_parent
+
+    exit_with_parent(parent)
+    Path(out).write_text(json.dumps(_block_loop(iters)))
+
+
+def busy_slowdown(alone_s: float, together_s: list[float]) -> float:
+    """How much slower compute runs with every core busy: the processes' mean time per iteration, run one per
+    core at once, over one process's alone (at least 1: a faster host than at the first run is noise)."""
+    return max(1.0, sum(together_s) / len(together_s) / max(alone_s, 1e-12))
+
+
+def measure_busy(cores: int, iters: int = BUSY_ITERS) -> float:
+    """``Profile.busy_slowdown``: ``_block_loop`` alone in one process, then in ``cores`` processes at once (one
+    thread each: a CPU bench's workers filling the host). Caches and memory bandwidth are shared between cores:
+    what one process measures alone (the GEMM table, the bandwidth) runs this much slower on a full host."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"{k}.json") for k in range(cores + 1)]
+        alone = ctx.Process(target=_busy_worker, args=(iters, outs[0], os.getpid()))
+        alone.start()
+        alone.join(timeout=300)
+        procs = [ctx.Process(target=_busy_worker, args=(iters, o, os.getpid())) for o in outs[1:]]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=300)
+        if any(p.exitcode != 0 for p in [alone, *procs]) or not all(os.path.exists(o) for o in outs):
+            for p in [alone, *procs]:
+                if p.is_alive():
+                    p.kill()
+            raise RuntimeError("dhp plan calibrate: the block loop on every core failed")
+        times = [json.loads(Path(o).read_text()) for o in outs]
+    return busy_slowdown(times[0], times[1:])
 
 
 def runtime_sizes(quick: bool) -> list[int]:
@@ -626,7 +719,7 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
     per_op, per_sync = measure_host(device)
     base = roofline_for(device)
     fits: list[CollectiveFit] = []
-    router, terms, contention_s, contention_ratio = None, {}, 0.0, 0.0
+    router, terms, contention_s, contention_ratio, busy = None, {}, 0.0, 0.0, 1.0
     note = ""
     if device == "cpu":
         say("collectives and DTensor's dispatch (gloo, local processes)")
@@ -634,6 +727,8 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
                                                   IN_SITU_REPS // 2 if quick else IN_SITU_REPS)
         say("contention: collectives beside busy processes")
         contention_s, contention_ratio = measure_contention(os.cpu_count() or 1, 30 if quick else CONTENTION_ITERS)
+        say("compute with every core busy")
+        busy = measure_busy(os.cpu_count() or 1, BUSY_ITERS // 2 if quick else BUSY_ITERS)
     else:
         note = "; collectives: the device table's link (one GPU here)"
     call_s, store = 0.0, None
@@ -650,7 +745,8 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
                    router=router,
                    cores=(os.cpu_count() or 1) if device == "cpu" else 0,
                    threads=torch.get_num_threads() if device == "cpu" else 0, actor_call_s=call_s,
-                   object_store=store, contention_wait_s=contention_s, contention_ratio=contention_ratio)
+                   object_store=store, contention_wait_s=contention_s, contention_ratio=contention_ratio,
+                   busy_slowdown=busy)
 
 
 def roofline_for(device: str) -> Profile | None:

@@ -15,7 +15,8 @@ Per micro-batch of a rank:
   object store for the ``ray`` data plane).
 
 Per step: the replica's micro-batches, the gradient reduction's collectives (over dp, x sp for SP; the
-engine runs it after the backward: exposed) and the ops of ``finish_gradients`` and the optimizer step
+engine runs it after the backward: exposed; back to back, the first in situ and the rest aligned:
+``Profile.burst_s``) and the ops of ``finish_gradients`` and the optimizer step
 (``GroupResult.step_ops``), priced as above.
 """
 
@@ -45,6 +46,8 @@ class GroupCost:
     micro_batch_s: float = 0.0  # compute + exposed collectives + router
     forward_mb: float = 0.0  # the forward's part of ``micro_batch_s`` less the router (an encoder's own call)
     backward_mb: float = 0.0  # the backward's part (the rest)
+    forward_compute_mb: float = 0.0  # the forward's compute (what a full CPU host slows: ``Profile.busy_slowdown``)
+    backward_compute_mb: float = 0.0
     reduce_s: float = 0.0  # the gradient reduction's collectives, once per step
     optimizer_s: float = 0.0  # finish_gradients' and the optimizer's ops, once per step
     step_s: float = 0.0
@@ -108,10 +111,13 @@ def by_path(comm: dict[str, int], calls: dict[str, int],
     return {C10D: (rest, rest_calls), FUNCTIONAL: (f_bytes, f_calls)}
 
 
-def path_collectives_s(comm: dict[str, int], calls: dict[str, int], regions: list[dict[str, float]], ranks: int,
+def step_collectives_s(comm: dict[str, int], calls: dict[str, int], regions: list[dict[str, float]], ranks: int,
                        p: Profile) -> float:
-    """Seconds of a phase's collectives over ``ranks``, each path's part by its own fits (``by_path``)."""
-    return sum(collectives_s(b, c, ranks, p, path) for path, (b, c) in by_path(comm, calls, regions).items())
+    """Seconds of the collectives of a step's end (the gradient reduction, ZeRO-1's broadcasts, the norm): its
+    ``c10d`` calls of each kind back to back (``Profile.burst_s``), its functional ones as any."""
+    (c10d_bytes, c10d_calls), (f_bytes, f_calls) = (by_path(comm, calls, regions)[k] for k in (C10D, FUNCTIONAL))
+    return (sum(p.burst_s(k, ranks, b, c10d_calls.get(k, 1)) for k, b in c10d_bytes.items())
+            + collectives_s(f_bytes, f_calls, ranks, p, FUNCTIONAL))
 
 
 def _phase(regions: list[dict[str, float]], comm: dict[str, int], calls: dict[str, int], job: Any,
@@ -155,12 +161,13 @@ def group_cost(job: Any, r: Any, p: Profile, samples: int, router: Profile | Non
     c.compute_mb, c.device_mb, c.host_mb, c.comm_exposed_mb, c.comm_hidden_mb = (
         f + b for f, b in zip(fwd, bwd, strict=True))
     c.forward_mb, c.backward_mb = fwd[0] + fwd[3], bwd[0] + bwd[3]
+    c.forward_compute_mb, c.backward_compute_mb = fwd[0], bwd[0]
     c.router_mb = (router or p).router_s(r.router, 2.0, data_plane) if r.router else 0.0
     c.micro_batch_s = c.compute_mb + c.comm_exposed_mb + c.router_mb
     c.forward_waits_mb, c.backward_waits_mb = _waits(*fwd_comm, job.ranks), _waits(*bwd_comm, job.ranks)
     c.router_waits_mb = 2.0 if r.router and data_plane == "p2p" else 0.0
     reduce_n = job.dp * (job.inner if job.inner_kind == "sp" else 1)
-    c.reduce_s = path_collectives_s(r.step_comm, r.step_comm_calls, r.step_ops, reduce_n, p)
+    c.reduce_s = step_collectives_s(r.step_comm, r.step_comm_calls, r.step_ops, reduce_n, p)
     c.reduce_waits = _waits(r.step_comm, r.step_comm_calls, reduce_n)
     c.optimizer_s = regions_s(r.step_ops, p)[0]
     c.step_s = c.micro_batches * c.micro_batch_s + c.reduce_s + c.optimizer_s

@@ -107,6 +107,7 @@ class GroupJob:
     static: bool = False  # build, gradients and optimizer state only: no forward (closed-form checks)
     lora_rank: int = 0  # <module>.lora.r: adapters only, the base frozen in the compute dtype (0: trained whole)
     lora_targets: str = "all-linear"  # <module>.lora.target_modules (a regex or all-linear; a list joined by ",")
+    pad_to_multiple_of: int | None = None  # data.pad_to_multiple_of (the language model's packing: pack_multiple)
     batch: SampleBatch | None = None  # real samples for the micro-batch (then ``media``/``text_tokens`` size only
     # the encoders' output widths, and an encoder's micro-batch is the samples that carry its media)
 
@@ -296,6 +297,7 @@ class _Inputs:
     samples: list = field(default_factory=list)  # an encoder's (media fake, ``materialized`` in the run)
     batch: Any = None  # the language model's packed batch (host tensors)
     media: list[MediaInput] = field(default_factory=list)
+    meta: Any = None  # the batch's ``PackedMeta``, as the engine makes it (the loss's head on the supervised rows)
 
 
 def batch_samples(batch: SampleBatch) -> list:
@@ -318,14 +320,17 @@ def _inputs(job: GroupJob, model_cfg: Any, family: Any) -> _Inputs:
             return _Inputs()  # no media for this encoder: it runs no micro-batch (as the engine skips it)
         return _Inputs(samples=synthetic_samples(job, model_cfg, family, {job.module: job.tokens(job.module)}))
     from dhp.data.batch import pack
+    from dhp.engine import pack_multiple
 
     samples = real if real is not None else synthetic_samples(job, model_cfg, family)
     cfg = _config(job)
     payload = torch.bfloat16 if compute_dtype(cfg.train, job.device) == "bfloat16" else torch.float32
     media = media_inputs(job, model_cfg, family, samples, payload)
-    with _real():
-        batch = pack([without_media(s) for s in samples])
-    return _Inputs(batch=batch, media=media)
+    multiple = pack_multiple(cfg, job.module)
+    with _real():  # as the engine packs, and its host metadata
+        batch = pack([without_media(s) for s in samples], multiple)
+        meta = batch.meta([t for enc in family.encoders for t in enc.placeholder_ids(model_cfg)], multiple)
+    return _Inputs(batch=batch, media=media, meta=meta)
 
 
 
@@ -371,6 +376,7 @@ def _config(job: GroupJob) -> Any:
     cfg.train.dtype = job.dtype
     cfg.train.precision = job.precision
     cfg.train.optimizer = job.optimizer
+    cfg.data.pad_to_multiple_of = job.pad_to_multiple_of
     if job.loss_chunk_tokens is not None:
         cfg.train.loss_chunk_tokens = job.loss_chunk_tokens
     sp = job.inner if job.inner_kind == "sp" else 1
@@ -783,7 +789,7 @@ def _language_loss(eng: Any, inputs: _Inputs) -> tuple[torch.Tensor, int]:
         named.setdefault(m.token_id, {})[m.name] = torch.zeros(m.rows, m.width, requires_grad=True)
     media = {tid: eng.definition.handover(parts, eng.model_cfg) for tid, parts in named.items()}
     with eng.autocast():
-        loss = eng.module.loss_sum(ids, pos, targets, media, cu)
+        loss = eng.module.loss_sum(ids, pos, targets, media, cu, meta=inputs.meta)
     return loss, sum(2 * m.rows * m.width * m.dtype.itemsize for m in inputs.media)
 
 

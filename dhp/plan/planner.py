@@ -42,7 +42,7 @@ from dhp.observe.devices import Device
 from dhp.plan.costs import GroupCost, group_cost
 from dhp.plan.measure import GiB, GroupJob, GroupResult, family_of, media_of, sample_tokens
 from dhp.plan.profile import Profile, roofline
-from dhp.plan.schedule import Call, Lane, Replay, driver_script, replay
+from dhp.plan.schedule import Call, Lane, Replay, driver_script, loader_lane, steady_replay
 
 STRATEGIES = ("dhp-collocated", "dhp-disaggregated", "uniform-tp", "zero3")
 SP_DEGREES = (1, 2, 4, 8, 16)  # Ulysses degrees searched for an encoder
@@ -65,6 +65,10 @@ class Row:
     pricing: str = ""  # what priced it: the device profile(s), ``roofline`` or ``calibrated``
     encoders_ahead: int = 1  # runtime.encoders_ahead (disaggregated placement)
     encoder_window: int = 0  # runtime.encoder_window (0: auto)
+    # seconds a rank's loader takes per sample, per group (its media decoded: an encoder's; ids and placeholders: the
+    # language model's), measured on a config's own data (``dhp bench --profile``); empty: loading not priced
+    load_s: dict[str, float] = field(default_factory=dict)
+    loader_workers: int = 2  # data.loader_workers: 0, the samples are loaded in the calls themselves
     replay: Replay | None = field(default=None, repr=False, compare=False)  # the step as replayed (not in JSON)
 
     def overrides(self) -> list[str]:
@@ -419,18 +423,23 @@ def data_plane(row: Row) -> str:
 
 
 def _pools(row: Row, pricing: Pricing, gpus: int) -> tuple[dict[str, Lane], dict[str, float]]:
-    """The replay's lanes and pools: a CPU profile's groups share the host's cores (each rank its threads); on
-    GPUs collocated groups share the GPUs, disaggregated ones have their own."""
+    """The replay's lanes and pools: a CPU profile's groups share the host's cores (each rank its threads), their
+    loaders too (a thread's worth of a core per rank: the interpreter's lock keeps a rank's loader threads to about
+    one); on GPUs collocated groups share the GPUs, disaggregated ones have their own, and each group's loaders
+    run on host CPUs of their own (a pool per group, one unit per rank)."""
     lanes, pools = {}, {}
     for k, j in row.jobs.items():
         p = pricing.of(k)
         if p.device_type == "cpu" and p.cores:
-            lanes[k] = Lane("host", j.ranks * max(1, p.threads), p.contention_wait_coefficient())
+            lanes[k] = Lane("host", j.ranks * max(1, p.threads), p.contention_wait_coefficient(), p.busy_slowdown)
+            lanes[loader_lane(k)] = Lane("host", j.ranks, busy_slowdown=p.busy_slowdown)
             pools["host"] = float(p.cores)
-        elif row.placement == "collocated":
+            continue
+        if row.placement == "collocated":
             lanes[k], pools["gpus"] = Lane("gpus", j.ranks), float(gpus)
         else:
             lanes[k], pools[k] = Lane(k, j.ranks), float(j.ranks)
+        lanes[loader_lane(k)], pools[loader_lane(k)] = Lane(loader_lane(k), j.ranks), float(j.ranks)
     return lanes, pools
 
 
@@ -455,8 +464,13 @@ def replay_row(row: Row, costs: dict[str, GroupCost], pricing: Pricing, gpus: in
                             encoder_window=window).plan(0)
     busiest = {(e, j): max(len(p) for p in rnd.replicas(e)) for e in encoders for j, rnd in enumerate(plan.rounds)}
     ahead = row.encoders_ahead if row.placement == "disaggregated" else 0
+    loads = bool(row.load_s) and row.loader_workers > 0  # in the background; else in the calls themselves
 
-    def per_call(forward: str, backward: str, router: str, whole: Callable[[Any], float], reduce: str,
+    def load_s(group: str, rnd: int) -> float:
+        """A rank's seconds to load its samples of round ``rnd`` (its replica's, the busiest one's)."""
+        return row.load_s.get(group, 0.0) * max((len(p) for p in plan.rounds[rnd].replicas(group)), default=0)
+
+    def per_call(forward: str, backward: str, router: str | None, whole: Callable[[Any], float], reduce: str | None,
                  step: str | None) -> Callable[[Call], float]:
         """A call's share of its group's per-micro-batch figures (``GroupCosts`` fields by name): its work, or
         the part of it that waits for a peer rank."""
@@ -466,26 +480,34 @@ def replay_row(row: Row, costs: dict[str, GroupCost], pricing: Pricing, gpus: in
             if c.kind in ("forward", "backward"):
                 n = busiest[(c.group, c.round)] / jobs[c.group].micro_batch_size
                 part = getattr(g, forward if c.kind == "forward" else backward)
-                return n * part + (getattr(g, router) / 2 if n else 0.0)
+                return n * part + (getattr(g, router) / 2 if n and router else 0.0)
             if c.kind == "forward_backward":
                 return whole(g)
             if c.kind == "finish_gradients":
-                return getattr(g, reduce)
+                return getattr(g, reduce) if reduce else 0.0
             if c.kind == "step" and step is not None:
                 return getattr(g, step)
             return 0.0  # emit, emit_grads: the router's transfer is priced in the calls that make and take it
 
         return of
 
-    work = per_call("forward_mb", "backward_mb", "router_mb", lambda g: g.micro_batch_s, "reduce_s", "optimizer_s")
+    priced = per_call("forward_mb", "backward_mb", "router_mb", lambda g: g.micro_batch_s, "reduce_s", "optimizer_s")
     # the calls' waits for a peer rank (priced where the host is oversubscribed)
     waits = per_call("forward_waits_mb", "backward_waits_mb", "router_waits_mb",
                      lambda g: g.forward_waits_mb + g.backward_waits_mb + g.router_waits_mb, "reduce_waits", None)
+    # their compute (slowed on a full CPU host); a load is all compute
+    compute = per_call("forward_compute_mb", "backward_compute_mb", None, lambda g: g.compute_mb, None, "optimizer_s")
+
+    def work(c: Call) -> float:  # without background loaders a forward loads its own samples first
+        inline = c.kind == "load" or (not loads and c.kind in ("forward", "forward_backward"))
+        return priced(c) + (load_s(c.group, c.round) if inline and row.load_s else 0.0)
 
     lanes, pools = _pools(row, pricing, gpus)
-    script = driver_script(len(plan.rounds), encoders, language, plan.window, ahead, data_plane=data_plane(row))
+    script = driver_script(len(plan.rounds), encoders, language, plan.window, ahead, data_plane=data_plane(row),
+                           loads=loads)
     call_s = max(pricing.of(k).actor_call_s for k in jobs)
-    return replay(script, lanes, pools, work, call_s, waits)
+    return steady_replay(script, lanes, pools, work, call_s, waits,
+                         lambda c: compute(c) + work(c) - priced(c))  # (a load is all compute)
 
 
 def evaluate(row: Row, results: dict[GroupJob, GroupResult], dev: Device, gpus: int, limit_gb: float,
@@ -519,7 +541,8 @@ def evaluate(row: Row, results: dict[GroupJob, GroupResult], dev: Device, gpus: 
         groups[k] = {"ranks": row.jobs[k].ranks, "peak_gb": peak / GiB, "weights_gb": r.weights / GiB,
                      "grads_gb": r.grads / GiB, "optimizer_gb": r.optimizer / GiB,
                      "activations_gb": r.activations / GiB, "limit_gb": pricing.limit_gb(k, limit_gb),
-                     **times, "busy_s": rep.busy_s[k], "idle_s": rep.idle_s[k]}
+                     **times, "busy_s": rep.busy_s[k], "idle_s": rep.idle_s[k],
+                     "data_wait_s": rep.data_wait_s.get(k, 0.0), "loader_s": rep.loader_s.get(k, 0.0)}
     per_sample = row.tokens_per_sample
     if not per_sample:
         if model_cfg is None:
@@ -588,6 +611,7 @@ def config_jobs(cfg: Any, family: Any, media: dict[str, int], text_tokens: int, 
                               micro_batch_size=micro_batch_size, device=device, dtype=cfg.train.dtype,
                               optimizer=cfg.train.optimizer, precision=cfg.train.precision,
                               loss_chunk_tokens=cfg.train.loss_chunk_tokens, lora_rank=m.lora.r,
+                              pad_to_multiple_of=cfg.data.pad_to_multiple_of,
                               lora_targets=m.lora.target_modules if isinstance(m.lora.target_modules, str)
                               else ",".join(m.lora.target_modules))
     return jobs

@@ -9,13 +9,17 @@ running at a moment share the host's cores), on its own data:
   micro-batch of the step's real samples (``real_batches``: their host metadata as loaded, their media as shapes)
   in place of the family's synthetic ones: mixed lengths, several images to a sample, text-only samples priced
   as they are (attention is quadratic per sample, and the ops a micro-batch dispatches grow with its segments);
+  and the loaders' seconds per sample of each group, timed on those samples (``load_seconds``): the replay runs
+  the loaders beside the calls (on a CPU host, on the same cores) and makes a forward wait for its samples;
 * without it, the data set's mean sample (per encoder the mean of its input tokens over the samples that carry
   it, placeholders x the family's input tokens per placeholder; the mean text besides the placeholders),
-  ``train.micro_batch_size`` of them per micro-batch and ``train.global_batch_size`` per step for every group.
+  ``train.micro_batch_size`` of them per micro-batch and ``train.global_batch_size`` per step for every group;
+  loading not priced.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -53,24 +57,42 @@ def data_shape(cfg: Any, limit: int = 512) -> tuple[Any, Any, dict[str, int], in
     return _SHAPES[key]
 
 
-def real_batches(cfg: Any, family: Any, step: int) -> tuple[Any, dict[str, SampleBatch]]:
+def real_batches(cfg: Any, family: Any, step: int) -> tuple[Any, dict[str, SampleBatch], dict[str, float]]:
     """(step ``step``'s plan, by the trainer's own planner over the config's data; per module group a micro-batch of
-    it as a ``SampleBatch``): the language model's first round (its first replica's samples), and each encoder's
-    busiest replica in the first round whose replicas hold any of its samples (those that carry its media)."""
+    it as a ``SampleBatch``; per group the seconds a loader takes per sample, ``load_seconds``): the language
+    model's first round (its first replica's samples), and each encoder's busiest replica in the first round whose
+    replicas hold any of its samples (those that carry its media)."""
     from dhp.inputs import prepare
 
     prepared = prepare(cfg)
     plan = prepared.planner.plan(step)
     ds = prepared.dataset
-    out = {}
+    out, ids = {}, {}
     for name in family.module_names:
         if name == family.language.name:
-            ids = list(plan.rounds[0].replicas(name)[0])
-            out[name] = SampleBatch.of([ds.get(i, pixels=False) for i in ids])
+            ids[name] = list(plan.rounds[0].replicas(name)[0])
+            out[name] = SampleBatch.of([ds.get(i, pixels=False) for i in ids[name]])
             continue
-        ids = next((list(max(rnd.replicas(name), key=len)) for rnd in plan.rounds if any(rnd.replicas(name))), [])
-        out[name] = SampleBatch.of([shape_sample(ds.get(i), ds.get(i, pixels=False)) for i in ids])
-    return plan, out
+        ids[name] = next((list(max(rnd.replicas(name), key=len)) for rnd in plan.rounds if any(rnd.replicas(name))),
+                         [])
+        out[name] = SampleBatch.of([shape_sample(ds.get(i), ds.get(i, pixels=False)) for i in ids[name]])
+    return plan, out, load_seconds(ds, family, ids)
+
+
+def load_seconds(ds: Any, family: Any, ids: dict[str, list[int]]) -> dict[str, float]:
+    """Per module group, the mean seconds of the data set's ``get`` per sample of ``ids[group]``, as its loaders
+    call it: with the media (an encoder), without (the language model: ids and placeholders only). Timed on
+    samples loaded once already (the file cache warm, as a run's is after its first epoch's reads)."""
+    out = {}
+    for name, group_ids in ids.items():
+        pixels = name != family.language.name
+        if not group_ids:
+            continue
+        t0 = time.perf_counter()
+        for i in group_ids:
+            ds.get(i, pixels=pixels)
+        out[name] = (time.perf_counter() - t0) / len(group_ids)
+    return out
 
 
 def predict_config(cfg: Any, profile: Profile, workers: int = 1, step: int | None = None) -> dict[str, Any]:
@@ -85,20 +107,21 @@ def predict_config(cfg: Any, profile: Profile, workers: int = 1, step: int | Non
     device = "cuda" if profile.device_type == "cuda" else "cpu"
     jobs = config_jobs(cfg, family, media, text, device=device, micro_batch_size=cfg.train.micro_batch_size)
     jobs = {k: replace(j, text_tokens=text) for k, j in jobs.items()}
-    plan = None
+    plan, load_s = None, {}
     if step is not None:
-        plan, batches = real_batches(cfg, family, step)
+        plan, batches, load_s = real_batches(cfg, family, step)
         jobs = {k: replace(j, batch=batches[k], micro_batch_size=max(1, batches[k].size)
                            if k != family.language.name else j.micro_batch_size) for k, j in jobs.items()}
     results = measure_all(list(jobs.values()), model_cfg, workers=workers, family=family)
     placement = cfg.runtime.placement if cfg.runtime.placement in ("collocated", "disaggregated") else "collocated"
     gpus = sum(j.ranks for j in jobs.values()) if placement == "disaggregated" else max(j.ranks for j in jobs.values())
     row = Row("config", media, False, jobs, placement=placement, encoders_ahead=cfg.runtime.encoders_ahead,
-              encoder_window=cfg.runtime.encoder_window)
+              encoder_window=cfg.runtime.encoder_window, load_s=load_s, loader_workers=cfg.data.loader_workers)
     row = evaluate(row, results, get_device("h100"), gpus, 1e9, text, family, model_cfg, pricing=Pricing(profile),
                    samples=cfg.train.global_batch_size, plan=plan)
-    calls = {g: [[c.kind, c.round] for c, _, _ in row.replay.spans if c.group == g and c.round >= 0]
-             for g in jobs}  # each group's calls in the order it runs them (the trace's order, ``dhp.plan.schedule``)
+    # each group's calls in the order it runs them (the trace's order, ``dhp.plan.schedule``; its loads aside)
+    calls = {g: [[c.kind, c.round] for c, _, _ in row.replay.spans if c.group == g and c.round >= 0
+                 and c.kind != "load"] for g in jobs}
     return {"predicted_step_s": row.step_time_s, "critical_path": row.critical_path, "pricing": row.pricing,
             "sample": {"media_tokens": media, "text_tokens": text, "step": step}, "groups": row.groups,
             "calls": calls}

@@ -19,11 +19,16 @@ says what each costs on one device:
   The path is how the code calls it: ``c10d`` (``torch.distributed.all_reduce``...: FSDP2, Ulysses, the
   gradient reduction) or ``functional`` (``torch.distributed._functional_collectives`` and its
   ``wait_tensor``: DTensor's redistributions, i.e. TP); a profile without functional fits prices both by the
-  ``c10d`` ones; ``router``: the same for a point-to-point transfer between groups;
+  ``c10d`` ones; ``burst``: ``c10d`` calls back to back, with no compute between them (a step's end: the
+  gradient reduction's buckets, ZeRO-1's broadcasts), which meet their peers aligned after the first
+  (``burst_s``); ``router``: the same for a point-to-point transfer between groups;
 * ``contention_wait_s``, ``contention_ratio``: on a CPU host, what one collective call costs beyond processor
   sharing when the host's processes outnumber its cores (a rank waits for its peer's process to be scheduled),
   measured at ``contention_ratio`` processes per core (``calibrate.measure_contention``); the replay
-  (``dhp.plan.schedule``) scales it by the share of time a peer is off its core, ``1 - cores / demand``.
+  (``dhp.plan.schedule``) scales it by the share of time a peer is off its core, ``1 - cores / demand``;
+* ``busy_slowdown``: on a CPU host, how much slower compute runs when every core computes than in one process
+  alone, where the tables were measured (shared caches and memory bandwidth; ``calibrate.measure_busy``): the
+  replay slows the calls on a host pool by it as the pool fills (``dhp.plan.schedule.run_rate``).
 
 Without a calibrated profile the GPU rows use ``roofline(device)``: matmuls and attention at the device
 table's peak times its stated efficiency, or its HBM bandwidth where that binds; collectives as ring
@@ -55,7 +60,7 @@ class GemmPoint:
 
 
 GEMM_LAYOUTS = ("nn", "nt", "tn", "tt")
-C10D, FUNCTIONAL = "c10d", "functional"
+C10D, FUNCTIONAL, BURST = "c10d", "functional", "burst"
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,7 @@ class Profile:
     object_store: CollectiveFit | None = None  # a tensor through Ray's object store, worker to worker
     contention_wait_s: float = 0.0  # a collective call's wait beyond processor sharing on an oversubscribed host
     contention_ratio: float = 0.0  # ... measured at this many processes per core (0: not measured)
+    busy_slowdown: float = 1.0  # a CPU host's compute with every core busy, against one process alone (measured)
 
     @property
     def label(self) -> str:
@@ -215,6 +221,16 @@ class Profile:
         lat = (ranks - 1) / max(1, f.ranks - 1)
         bw = ring_factor(kind, ranks) / max(ring_factor(f.kind, f.ranks), 1e-12)
         return calls * f.alpha_s * lat + nbytes * bw / f.beta_bytes_per_s
+
+    def burst_s(self, kind: str, ranks: int, nbytes: float, calls: float) -> float:
+        """Seconds of ``calls`` ``c10d`` collectives of ``kind`` back to back, ``nbytes`` in all: the first at its
+        in-situ fit (the ranks arrive apart), the rest at the ``burst`` fit (aligned by the one before); a profile
+        without burst fits prices all in situ."""
+        if calls <= 1:
+            return self.collective_s(kind, ranks, nbytes, calls, C10D)
+        each = nbytes / calls
+        return (self.collective_s(kind, ranks, each, 1, C10D)
+                + self.collective_s(kind, ranks, nbytes - each, calls - 1, BURST))
 
     def contention_wait_coefficient(self) -> float:
         """Seconds one collective call waits, beyond processor sharing, per unit of the share of time its peers

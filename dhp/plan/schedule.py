@@ -18,11 +18,20 @@ same ``schedule_turns``, so the planner prices the order the runtime runs and th
   does not count: each of a call's ``waits(call)`` peer waits costs the lane's ``wait_s`` x the share of time a
   peer is off its core, ``1 - capacity / demand`` (``Profile.contention_wait_coefficient``, measured by
   ``dhp plan calibrate``), spread over the call's work;
+* on a host pool, compute slows as the pool fills (shared caches and memory bandwidth): a call's compute seconds
+  take ``Lane.busy_slowdown`` (``Profile.busy_slowdown``, measured with every core busy) times longer on a full
+  pool, in proportion between one running process and a full pool (``run_rate``);
 * every call pays the runtime's round trip (``call_s``: an actor call's submission to its start, half, and its
-  result back to the driver, the other half); the driver is sequential, as the backend's loop is.
+  result back to the driver, the other half); the driver is sequential, as the backend's loop is;
+* with ``loads`` the loaders run too: each group's ranks decode their samples in background threads (a lane of
+  their own, ``loader_lane``, on the pool the loaders' CPUs are in), a round as the backend prefetches it (the
+  round after next at each encode turn; the next step's first two rounds once the step's last round is
+  submitted), and a round's forward waits for its samples: ``Replay.data_wait_s``. The step's own first two
+  rounds were started during the step before, so the replay begins with what of them was left then
+  (``Call.source == "carried"``; ``steady_replay`` finds it: the loads left at a step's end are the next step's).
 
-The result is the step's time, each group's busy and idle time and the critical path (the chain of calls,
-back from the step's end, each waiting on the one before it).
+The result is the step's time, each group's busy and idle time, its wait for data, and the critical path (the chain
+of calls, back from the step's end, each waiting on the one before it).
 """
 
 from __future__ import annotations
@@ -38,13 +47,23 @@ FINAL = ("finish_gradients", "step")  # the step's end, on every group: the grad
 @dataclass(frozen=True)
 class Call:
     """One call of the step: ``kind`` on ``group`` for ``round`` (``source``: the encoder a router call is
-    for). Kinds: forward, emit, backward (an encoder); forward_backward, emit_grads (the language model);
-    finish_gradients, step (every group)."""
+    for; a load's step, ``carried`` or ``next``). Kinds: forward, emit, backward (an encoder); forward_backward,
+    emit_grads (the language model); finish_gradients, step (every group); load (every group's loaders, on a lane
+    of their own: ``loader_lane``)."""
 
     group: str
     kind: str
     round: int = -1
     source: str = ""
+
+    @property
+    def lane(self) -> str:
+        return loader_lane(self.group) if self.kind == "load" else self.group
+
+
+def loader_lane(group: str) -> str:
+    """The lane of ``group``'s loaders (its ranks' background decoding)."""
+    return f"{group} loader"
 
 
 @dataclass(frozen=True)
@@ -54,12 +73,14 @@ class Action:
 
 
 def driver_script(n_rounds: int, encoders: Sequence[str], language: str, window: int = 1, ahead: int = 0,
-                  trains: dict[str, bool] | None = None, data_plane: str = "p2p") -> list[Action]:
+                  trains: dict[str, bool] | None = None, data_plane: str = "p2p", loads: bool = False) -> list[Action]:
     """The Ray backend's driver loop of one step as data (``data_plane``: ``p2p`` sends inside the compute
-    calls; ``ray`` adds the router's ``emit`` calls, the object store's puts, which the driver waits for)."""
+    calls; ``ray`` adds the router's ``emit`` calls, the object store's puts, which the driver waits for;
+    ``loads``: the loaders' prefetches, ``RayBackend._prefetch``, in a step that follows another)."""
     trains = trains or dict.fromkeys(encoders, True)
     ray = data_plane != "p2p"
     out: list[Action] = []
+    groups = [*encoders, language]
 
     def submit(*calls: Call) -> None:
         out.append(Action("submit", calls))
@@ -67,10 +88,18 @@ def driver_script(n_rounds: int, encoders: Sequence[str], language: str, window:
     def wait(*calls: Call) -> None:
         out.append(Action("wait", calls))
 
+    def load(rounds: Sequence[int], source: str = "") -> None:
+        calls = [Call(g, "load", n, source) for n in rounds if n < n_rounds for g in groups]
+        if loads and calls:
+            submit(*calls)
+
+    load((0, 1), "carried")  # started in the step before (the backend's prefetch of rounds 0 and 1 finds them)
     backwards = []
     for turn in schedule_turns(n_rounds, window, ahead):
         j = turn.round
         if turn.kind == "encode":
+            if j > 0:
+                load((j + 1,))  # the loaders keep a round ahead of the forwards
             submit(*(Call(e, "forward", j) for e in encoders))
             if ray:
                 submit(*(Call(e, "emit", j) for e in encoders))
@@ -90,6 +119,7 @@ def driver_script(n_rounds: int, encoders: Sequence[str], language: str, window:
                 wait(Call(language, "emit_grads", j, e))
             submit(Call(e, "backward", j))
             backwards.append(Call(e, "backward", j))
+    load((0, 1), "next")  # the next step's first rounds, behind this step's last calls
     if backwards:
         wait(*backwards)
     for kind in FINAL:
@@ -101,20 +131,25 @@ def driver_script(n_rounds: int, encoders: Sequence[str], language: str, window:
 
 @dataclass(frozen=True)
 class Lane:
-    """A group's ranks as one lane: the pool it computes on and how much of it a running call takes."""
+    """A group's ranks (or their loaders) as one lane: the pool it computes on and how much of it a running call
+    takes."""
 
     pool: str
     demand: float = 1.0
     wait_s: float = 0.0  # a peer wait's seconds per unit of the share of time peers are off their cores
+    busy_slowdown: float = 1.0  # its compute's slowdown on a full pool (a CPU host: ``Profile.busy_slowdown``)
 
 
 @dataclass
 class Replay:
     step_s: float
-    busy_s: dict[str, float]
+    busy_s: dict[str, float]  # per group: its calls' time (loaders not counted)
     idle_s: dict[str, float]
     critical_path: str
     spans: list[tuple[Call, float, float]] = field(default_factory=list)  # (call, start, end) in run order
+    data_wait_s: dict[str, float] = field(default_factory=dict)  # per group: its calls' waits for their samples
+    loader_s: dict[str, float] = field(default_factory=dict)  # per group: its loaders' running time in the step
+    left: dict[Call, float] = field(default_factory=dict)  # work of the loads the step's end left unfinished
 
 
 @dataclass
@@ -127,14 +162,26 @@ class _Run:
     left: float = 0.0
     after: Call | None = None  # what held its start: the lane's previous call, or the driver's submission
     waits: float = 0.0  # its calls that wait for a peer rank (collectives, point-to-point transfers)
+    compute: float = 0.0  # the part of ``work`` that is compute (slowed on a full pool)
+    needs: _Run | None = None  # the load of its samples (a forward's), which must end before it starts
+    data_wait: float = 0.0  # how long ``needs`` held its start
+
+
+def _needs(c: Call, runs: dict[Call, _Run]) -> _Run | None:
+    """The load a call takes its samples from: an encoder's forward's, or the language model's."""
+    if c.kind not in ("forward", "forward_backward"):
+        return None
+    return runs.get(Call(c.group, "load", c.round, "carried")) or runs.get(Call(c.group, "load", c.round))
 
 
 def replay(script: list[Action], lanes: dict[str, Lane], pools: dict[str, float],
            work: Callable[[Call], float], call_s: float = 0.0,
-           waits: Callable[[Call], float] | None = None) -> Replay:
+           waits: Callable[[Call], float] | None = None, compute: Callable[[Call], float] | None = None) -> Replay:
     """Run ``script`` (``driver_script``) with each call taking ``work(call)`` seconds at its lane's full rate;
     ``pools``: capacity per pool name; ``call_s``: an actor call's round trip; ``waits(call)``: its peer waits
-    (priced on an oversubscribed pool only; see the module docstring)."""
+    (priced on an oversubscribed pool only); ``compute(call)``: its compute seconds (slowed on a full pool; default
+    none); see the module docstring. ``lanes``: per group, and per group's loaders (``loader_lane``) where the
+    script loads."""
     queues: dict[str, list[_Run]] = {g: [] for g in lanes}
     runs: dict[Call, _Run] = {}
     now, driver, last_seen = 0.0, 0.0, None
@@ -146,10 +193,11 @@ def replay(script: list[Action], lanes: dict[str, Lane], pools: dict[str, float]
             if act.op == "submit":
                 for c in act.calls:
                     r = _Run(c, driver + call_s / 2, max(0.0, work(c)), after=last_seen,
-                             waits=max(0.0, waits(c)) if waits else 0.0)
+                             waits=max(0.0, waits(c)) if waits else 0.0,
+                             compute=max(0.0, compute(c)) if compute else 0.0, needs=_needs(c, runs))
                     r.left = r.work
                     runs[c] = r
-                    queues[c.group].append(r)
+                    queues[c.lane].append(r)
                 pc += 1
                 continue
             pending = [runs[c] for c in act.calls]
@@ -163,9 +211,28 @@ def replay(script: list[Action], lanes: dict[str, Lane], pools: dict[str, float]
             break
         now = _advance(queues, lanes, pools, now, driver)
     step = driver
-    busy = {g: sum(r.end - r.start for r in q) for g, q in queues.items()}
-    spans = sorted(((r.call, r.start, r.end) for r in runs.values()), key=lambda s: s[1])
-    return Replay(step, busy, {g: max(0.0, step - b) for g, b in busy.items()}, _critical(runs, last_seen), spans)
+    groups = [g for g in queues if all(r.call.kind != "load" for r in queues[g])]
+    busy = {g: sum(r.end - r.start for r in queues[g]) for g in groups}
+    ran = [r for r in runs.values() if r.start >= 0]
+    spans = sorted(((r.call, r.start, r.end) for r in ran if r.end >= 0), key=lambda s: s[1])
+    loads = [r for r in ran if r.call.kind == "load"]
+    return Replay(step, busy, {g: max(0.0, step - b) for g, b in busy.items()}, _critical(runs, last_seen), spans,
+                  data_wait_s={g: sum(r.data_wait for r in queues[g]) for g in groups},
+                  loader_s={g: sum(min(r.end if r.end >= 0 else now, step) - r.start for r in loads
+                                   if r.call.group == g) for g in groups},
+                  left={r.call: r.left for r in runs.values() if r.call.kind == "load" and r.end < 0})
+
+
+def steady_replay(script: list[Action], lanes: dict[str, Lane], pools: dict[str, float],
+                  work: Callable[[Call], float], call_s: float = 0.0, waits: Callable[[Call], float] | None = None,
+                  compute: Callable[[Call], float] | None = None) -> Replay:
+    """``replay`` of a step among others: its carried loads (``driver_script(loads=True)``) are what the same
+    step left of its ``next`` loads at its end (a first replay with none carried finds it)."""
+    first = replay(script, lanes, pools, lambda c: 0.0 if c.source == "carried" else work(c), call_s, waits, compute)
+    carried = {(c.group, c.round): left for c, left in first.left.items() if c.source == "next"}
+    return replay(script, lanes, pools,
+                  lambda c: carried.get((c.group, c.round), 0.0) if c.source == "carried" else work(c),
+                  call_s, waits, compute)
 
 
 def _advance(queues: dict[str, list[_Run]], lanes: dict[str, Lane], pools: dict[str, float], now: float,
@@ -180,11 +247,14 @@ def _advance(queues: dict[str, list[_Run]], lanes: dict[str, Lane], pools: dict[
                 continue
             if head.start < 0:
                 prev = q[q.index(head) - 1] if q.index(head) else None
-                if head.ready > now:
+                if head.ready > now or (head.needs is not None and head.needs.end < 0):
                     continue
                 head.start = now
+                free = max(head.ready, prev.end if prev is not None else 0.0)
                 if prev is not None and prev.end >= head.ready:
                     head.after = prev.call
+                if head.needs is not None and head.needs.end > free:  # it waited for its samples
+                    head.data_wait, head.after = head.needs.end - free, head.needs.call
             running[g] = head
         waiting = [r.ready for q in queues.values() for r in q if r.start < 0 and r.end < 0 and r.ready > now]
         if not running:
@@ -196,7 +266,7 @@ def _advance(queues: dict[str, list[_Run]], lanes: dict[str, Lane], pools: dict[
         for g in running:
             demand[lanes[g].pool] = demand.get(lanes[g].pool, 0.0) + lanes[g].demand
         rate = {g: run_rate(r, lanes[g], pools[lanes[g].pool], demand[lanes[g].pool]) for g, r in running.items()}
-        dt = min(r.left / rate[g] for g, r in running.items())
+        dt = min(r.left / rate[g] if r.left > 0 else 0.0 for g, r in running.items())
         if waiting:
             dt = min(dt, min(waiting) - now)
         now += dt
@@ -209,15 +279,26 @@ def _advance(queues: dict[str, list[_Run]], lanes: dict[str, Lane], pools: dict[
             return now
 
 
+def pool_fill(capacity: float, demand: float) -> float:
+    """How full a pool is, from 0 (one process running alone, as the profile's tables were measured) to 1 (every
+    unit busy): ``(min(demand, capacity) - 1) / (capacity - 1)``."""
+    if capacity <= 1.0:
+        return 0.0
+    return min(1.0, max(0.0, (min(demand, capacity) - 1.0) / (capacity - 1.0)))
+
+
 def run_rate(run: _Run, lane: Lane, capacity: float, demand: float) -> float:
-    """Work seconds per second of a running call: its share of the pool, ``min(1, capacity / demand)``, and on an
-    oversubscribed pool its peer waits spread over its work, ``waits / work x wait_s x (1 - capacity / demand)``
-    seconds more per second of work."""
+    """Work seconds per second of a running call: its share of the pool, ``min(1, capacity / demand)``; its
+    compute slowed on a filling pool, ``compute / work x (busy_slowdown - 1) x pool_fill`` seconds more per
+    second of work; and on an oversubscribed pool its peer waits spread over its work, ``waits / work x wait_s x
+    (1 - capacity / demand)`` seconds more."""
     share = min(1.0, capacity / demand)
     off = 1.0 - share
-    if off <= 0.0 or lane.wait_s <= 0.0 or run.waits <= 0.0 or run.work <= 0.0:
+    if run.work <= 0.0:
         return share
-    return 1.0 / (1.0 / share + run.waits / run.work * lane.wait_s * off)
+    slow = min(1.0, run.compute / run.work) * (lane.busy_slowdown - 1.0) * pool_fill(capacity, demand)
+    wait = run.waits / run.work * lane.wait_s * off if off > 0.0 else 0.0
+    return 1.0 / ((1.0 + slow) / share + wait)
 
 
 def _critical(runs: dict[Call, _Run], last: Call | None) -> str:
@@ -227,8 +308,8 @@ def _critical(runs: dict[Call, _Run], last: Call | None) -> str:
     seen: set[Call] = set()
     while last is not None and last not in seen:
         seen.add(last)
-        if not chain or chain[-1] != last.group:
-            chain.append(last.group)
+        if not chain or chain[-1] != last.lane:
+            chain.append(last.lane)
         last = runs[last].after
     return _compact(list(reversed(chain)))
 

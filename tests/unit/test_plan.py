@@ -226,15 +226,16 @@ def test_text_tp_rows_use_megatron_sequence_parallelism() -> None:
 def test_chunked_loss_lowers_the_text_peak_and_recomputes_the_head_once(device: str) -> None:
     """``train.loss_chunk_tokens``: the planner measures the trainer's chunked cross entropy. Its peak is lower
     by at least a float32 [N, V] tensor (the float32 logits), and it counts the head's forward once more
-    (recomputed in the backward): 2 N D V FLOPs, N the micro-batch's tokens."""
+    (recomputed in the backward): 2 N D V FLOPs, N the micro-batch's supervised rows (the engine's head runs on
+    those only: ``PackedMeta.label_rows``; here every text token, the placeholders not)."""
     cfg = tiny_cfg()
     d, v = cfg.text.hidden_size, cfg.text.vocab_size
-    job = GroupJob("text", dp=2, zero=3, **{**TINY, "device": device})
+    job = GroupJob("text", dp=2, zero=3, media=media_of({"vision": 256}), text_tokens=1024, device=device)
     whole = measure(replace(job, loss_chunk_tokens=0), cfg)
     chunked = measure(replace(job, loss_chunk_tokens=64), cfg)
     extra = chunked.flops - whole.flops
     assert extra > 0 and extra % (2 * d * v) == 0
-    n = TINY["text_tokens"] + 1024 // 4  # text + merged image placeholders
+    n = 1024  # the supervised rows: the text tokens (the 256 // 4 merged image placeholders are not)
     assert extra == 2 * n * d * v
     assert whole.peak - chunked.peak >= n * v * 4, (whole.peak, chunked.peak)  # a float32 [N, V] at least
     assert chunked.weights == whole.weights and chunked.grads == whole.grads

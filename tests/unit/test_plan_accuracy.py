@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from dhp.plan.calibrate import contention_wait, gemm_operands, in_situ, stack_call_s
+from dhp.plan.calibrate import contention_wait, gemm_operands, in_situ, stack_call_s, stack_op_s
 from dhp.plan.costs import by_path, group_cost
 from dhp.plan.measure import GroupJob, GroupResult, measure, media_of
 from dhp.plan.ops import OpTally, fcoll_calls_key, fcoll_key, functional_comm, gemm_key, gemm_layout, merged
@@ -98,18 +98,19 @@ def test_collectives_are_priced_by_the_path_the_tally_saw_them_take() -> None:
 def test_the_fake_run_tells_tps_functional_collectives_from_ulysses_c10d_ones() -> None:
     """Text TP 2: DTensor's all-reduces are functional; the rest of the collective counter's are the
     vocab-parallel loss's three ``dist.all_reduce`` (row max, sum of exponentials, target logit: one float32
-    per token each), c10d. Vision SP 2 (Ulysses' ``dist.all_to_all_single``): none is functional."""
+    per row each), c10d: its rows are the supervised ones, the engine's ``PackedMeta.label_rows`` (the 64 text
+    tokens but the last, rounded up to the packing's multiple, 64 under TP). Vision SP 2 (Ulysses'
+    ``dist.all_to_all_single``): none is functional."""
     from dhp.models.qwen2_5_vl.config import tiny
-    from dhp.plan.measure import family_of, sample_tokens
 
     cfg = tiny(image_token_id=290, video_token_id=291, vision_start_token_id=292, vision_end_token_id=293)
     base = dict(media=media_of({"vision": 256}), text_tokens=64, device="cpu")
     tp = measure(GroupJob("text", inner=2, inner_kind="tp", **base), cfg)
     parts = by_path(tp.comm, tp.comm_calls, tp.ops)
-    tokens = sample_tokens(family_of(), cfg, {"vision": 256}, 64)
-    assert parts[C10D] == ({"all_reduce": 3 * 4 * tokens}, {"all_reduce": 3})
+    rows = 64
+    assert parts[C10D] == ({"all_reduce": 3 * 4 * rows}, {"all_reduce": 3})
     f_bytes, f_calls = parts[FUNCTIONAL]
-    assert f_bytes["all_reduce"] == tp.comm["all_reduce"] - 3 * 4 * tokens > 0
+    assert f_bytes["all_reduce"] == tp.comm["all_reduce"] - 3 * 4 * rows > 0
     assert f_calls["all_reduce"] == tp.comm_calls["all_reduce"] - 3 > 0
     sp = measure(GroupJob("vision", inner=2, inner_kind="sp", **base), cfg)
     assert sp.comm.get("all_to_all", 0) > 0 and functional_comm(sp.ops) == ({}, {})
@@ -147,6 +148,12 @@ def test_a_stacks_call_cost_is_its_time_beyond_the_plain_stack_its_priced_collec
           "dtensor_ops": 100, "path": FUNCTIONAL}
     assert stack_call_s(tp, 2, fits, 1e-5) == pytest.approx((0.020 - (4e-3 + 2e-3) - 100 * 1e-5) / 4)
     assert stack_call_s({**tp, "sharded_s": 0.012}, 2, fits, 1e-5) == 0.0
+    # per DTensor op instead (what calibrate keeps for TP): the rest over the stack's 100 DTensor ops; then
+    # nothing is left per call
+    op_s = stack_op_s(tp, 2, fits)
+    assert op_s == pytest.approx((0.020 - (4e-3 + 2e-3)) / 100)
+    assert stack_call_s(tp, 2, fits, op_s) == pytest.approx(0.0, abs=1e-12)
+    assert stack_op_s(fsdp, 2, fits) == 0.0  # no DTensor op
 
 
 def test_fsdp2_and_tp_calls_pay_their_in_situ_terms_where_they_run() -> None:
@@ -205,3 +212,22 @@ def test_the_replay_adds_peer_waits_only_on_an_oversubscribed_pool() -> None:
     # without a ``waits`` callable (every caller before contention was priced) the replay is processor sharing
     lanes = {g: Lane("host", 2.0, 0.04) for g in ("vision", "text")}
     assert replay(script, lanes, {"host": 1.0}, lambda c: work.get(c.kind, 0.0)).step_s == pytest.approx(12.0)
+
+
+def test_a_steps_end_prices_its_collectives_back_to_back() -> None:
+    """``Profile.burst_s``: n ``c10d`` calls in a row cost one in-situ call (the ranks arrive apart) and n - 1 at
+    the burst fit (aligned by the one before); the step's end (``costs.step_collectives_s``) prices its c10d
+    calls so, its functional ones as any. A profile without burst fits prices every call in situ."""
+    from dhp.plan.costs import step_collectives_s
+    from dhp.plan.profile import BURST, CollectiveFit
+
+    in_situ = CollectiveFit("broadcast", 2, 2e-3, 1e9)
+    burst = CollectiveFit("broadcast", 2, 2e-4, 2e9, BURST)
+    p = Profile("t", collectives=[in_situ, burst], link_bytes_per_s=1.0)
+    n, nbytes = 46, 46 * 1000
+    want = (2e-3 + 1000 / 1e9) + (45 * 2e-4 + 45 * 1000 / 2e9)
+    assert p.burst_s("broadcast", 2, nbytes, n) == pytest.approx(want)
+    assert p.burst_s("broadcast", 2, 1000, 1) == pytest.approx(2e-3 + 1000 / 1e9)
+    assert step_collectives_s({"broadcast": nbytes}, {"broadcast": n}, [], 2, p) == pytest.approx(want)
+    alone = Profile("t", collectives=[in_situ], link_bytes_per_s=1.0)
+    assert alone.burst_s("broadcast", 2, nbytes, n) == pytest.approx(n * 2e-3 + nbytes / 1e9)

@@ -86,7 +86,7 @@ def test_bench_prices_a_configs_own_step(demo_overrides) -> None:
 
     cfg = load_config(None, [*demo_overrides, "runtime.backend=ray", "vision.parallel.sp=2", "text.parallel.tp=2"])
     family = family_of()
-    plan, batches = real_batches(cfg, family, 1)
+    plan, batches, load_s = real_batches(cfg, family, 1)
     prepared = prepare(cfg)
     assert plan.sample_ids == prepared.planner.plan(1).sample_ids
     text_ids = [s.index for s in batches["text"].samples()]
@@ -98,3 +98,7 @@ def test_bench_prices_a_configs_own_step(demo_overrides) -> None:
     first = next(rnd for rnd in plan.rounds if any(rnd.replicas("vision")))
     assert sorted(s.index for s in vision) == sorted(max(first.replicas("vision"), key=len))
     assert [c for c in p["calls"]["vision"] if c[0] == "forward"] == [["forward", j] for j in range(len(plan.rounds))]
+    # the loaders: timed per sample on the step's own samples (decoding images costs more than reading ids), and
+    # replayed beside the calls
+    assert set(load_s) == {"vision", "text"} and load_s["vision"] > load_s["text"] > 0
+    assert all(p["groups"][g]["loader_s"] > 0 and p["groups"][g]["data_wait_s"] >= 0 for g in ("vision", "text"))

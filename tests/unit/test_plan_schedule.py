@@ -3,9 +3,11 @@ and the round trips (the script against the Ray backend's own trace: ``tests/dis
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from dhp.plan.schedule import Call, Lane, driver_script, replay
+from dhp.plan.schedule import Call, Lane, driver_script, loader_lane, pool_fill, replay, steady_replay
 
 WORK = {"forward": 1.0, "backward": 2.0, "forward_backward": 3.0}
 
@@ -90,3 +92,55 @@ def test_a_long_critical_path_is_written_compactly() -> None:
     rep = replay(driver_script(6, ["vision"], "text"), *own_pools(), work)
     assert rep.critical_path.startswith("(vision -> text) x ") and rep.critical_path.endswith("vision")
     assert rep.step_s == pytest.approx(6 * 6.0)
+
+
+def _with_loaders(vision_load: float) -> tuple[dict[str, Lane], dict[str, float], Callable[[Call], float]]:
+    """Own pools for the groups and for their loaders; a vision round loads in ``vision_load`` s, text's at once."""
+    lanes = {"vision": Lane("vision"), "text": Lane("text"), loader_lane("vision"): Lane("vision loads"),
+             loader_lane("text"): Lane("text loads")}
+    pools = {"vision": 1.0, "text": 1.0, "vision loads": 1.0, "text loads": 1.0}
+    return lanes, pools, lambda c: vision_load if c.kind == "load" and c.group == "vision" else work(c)
+
+
+def test_the_loaders_run_a_round_ahead_and_a_forward_waits_for_its_samples() -> None:
+    """Loads of 3 s a round, in the background. The step's first two rounds were started at the step before's
+    end: after its last backward's submission (7 s into a step of 9 without loads), so 1 s of round 0 and all of
+    round 1 are left at the end of a step, the next one's carried loads. Then: L0 [0,1], L1 [1,4]; F0 [1,2] (waited
+    1 s), F1 [4,5] (waited 2 s); T0 [2,5], B0 [5,7], T1 [5,8], B1 [8,10]: 10 s; the next step's loads start at 8
+    and again leave 1 + 3 s."""
+    lanes, pools, w = _with_loaders(3.0)
+    script = driver_script(2, ["vision"], "text", ahead=1, loads=True)
+    first = [(c.group, c.kind, c.round, c.source) for a in script[:1] for c in a.calls]
+    assert first == [("vision", "load", 0, "carried"), ("text", "load", 0, "carried"),
+                     ("vision", "load", 1, "carried"), ("text", "load", 1, "carried")]
+    rep = steady_replay(script, lanes, pools, w)
+    assert rep.step_s == pytest.approx(10.0)
+    assert spans_of(rep, "vision") == [("forward", 0, 1, 2), ("forward", 1, 4, 5), ("backward", 0, 5, 7),
+                                       ("backward", 1, 8, 10)]
+    assert rep.data_wait_s == pytest.approx({"vision": 3.0, "text": 0.0})
+    assert rep.loader_s["vision"] == pytest.approx(1 + 3 + 2)  # carried 1 + 3, the next step's first 2 s
+    assert {(c.round, c.source): v for c, v in rep.left.items() if c.group == "vision"} == \
+        pytest.approx({(0, "next"): 1.0, (1, "next"): 3.0})
+    # quick loads: no wait, the step of a run without loaders
+    fast = steady_replay(script, *_with_loaders(0.1)[:2], _with_loaders(0.1)[2])
+    assert fast.step_s == pytest.approx(9.0) and fast.data_wait_s["vision"] == 0.0
+    # without ``loads`` the script has no load at all
+    assert not any(c.kind == "load" for a in driver_script(2, ["vision"], "text", ahead=1) for c in a.calls)
+
+
+def test_compute_slows_as_a_host_pool_fills() -> None:
+    """Two lanes on a host of 2 cores, one call at a time (ahead 0: F, T, B in turn, 6 s alone). A lane of 1 rank
+    leaves a core free: no slowdown. Lanes of 2 ranks fill the host: each call's compute takes busy_slowdown 1.5x
+    longer, 9 s; with half of each call compute, 1.25x, 7.5 s."""
+    script = driver_script(1, ["vision"], "text")
+    pools = {"host": 2.0}
+
+    def lanes(ranks: int) -> dict[str, Lane]:
+        return {g: Lane("host", ranks, busy_slowdown=1.5) for g in ("vision", "text")}
+
+    assert replay(script, lanes(1), pools, work, compute=work).step_s == pytest.approx(6.0)
+    assert replay(script, lanes(2), pools, work, compute=work).step_s == pytest.approx(9.0)
+    assert replay(script, lanes(2), pools, work, compute=lambda c: work(c) / 2).step_s == pytest.approx(7.5)
+    assert replay(script, lanes(2), pools, work).step_s == pytest.approx(6.0)  # no compute given: none slowed
+    assert [pool_fill(2.0, d) for d in (0.5, 1.0, 1.5, 2.0, 4.0)] == [0.0, 0.0, 0.5, 1.0, 1.0]
+    assert pool_fill(1.0, 3.0) == 0.0
