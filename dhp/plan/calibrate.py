@@ -556,6 +556,7 @@ def measure_contention(cores: int, iters: int = CONTENTION_ITERS) -> tuple[float
 # ---- compute on a host whose every core is busy ------------------------------------------------------------------
 
 BUSY_ITERS = 30  # iterations of the block loop (``_block_loop``); ``--quick``: half
+BLOCK_TOKENS, BLOCK_WIDTH, BLOCK_HEAD = 2**8, 2**7, 2**6  # the block's sequence, width and head width
 
 
 def _block_loop(iters: int) -> float:
@@ -565,14 +566,15 @@ def _block_loop(iters: int) -> float:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    x = torch.randn(256, 128, requires_grad=True)
-    w1, w2 = (torch.randn(a, b, requires_grad=True) for a, b in ((512, 128), (128, 512)))
-    qkv = torch.randn(384, 128, requires_grad=True)
+    t, w, d = BLOCK_TOKENS, BLOCK_WIDTH, BLOCK_HEAD
+    x = torch.randn(t, w, requires_grad=True)
+    w1, w2 = (torch.randn(a, b, requires_grad=True) for a, b in ((4 * w, w), (w, 4 * w)))
+    qkv = torch.randn(3 * w, w, requires_grad=True)
 
     def block() -> None:
-        h = F.layer_norm(x, (128,))
-        q, k, v = F.linear(h, qkv).view(256, 3, 2, 64).permute(1, 2, 0, 3)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(256, 128)
+        h = F.layer_norm(x, (w,))
+        q, k, v = F.linear(h, qkv).view(t, 3, w // d, d).permute(1, 2, 0, 3)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(t, w)
         y = x + a + F.linear(F.gelu(F.linear(h, w1)), w2)
         y.square().mean().backward()
 

@@ -211,7 +211,8 @@ def replay(script: list[Action], lanes: dict[str, Lane], pools: dict[str, float]
             break
         now = _advance(queues, lanes, pools, now, driver)
     step = driver
-    groups = [g for g in queues if all(r.call.kind != "load" for r in queues[g])]
+    loader_lanes = {loader_lane(g) for g in queues}
+    groups = [g for g in queues if g not in loader_lanes]
     busy = {g: sum(r.end - r.start for r in queues[g]) for g in groups}
     ran = [r for r in runs.values() if r.start >= 0]
     spans = sorted(((r.call, r.start, r.end) for r in ran if r.end >= 0), key=lambda s: s[1])

@@ -87,14 +87,16 @@ def check_prediction(layouts: dict, out) -> None:
     layout 11.8 s a step against 0.5 s on the idle machine), never speed one up: so the bound is one-sided
     (the prediction not above twice the measurement), and the load is taken out of the rest by comparing the
     layouts with one another: each layout's predicted / measured within 4x of every other's, and the ranking
-    of the layouts measured clearly apart (1.5x)."""
+    of the layouts measured clearly apart (1.25x: since the language model's packed lengths are rounded up,
+    2026-12-06, its TP layouts no longer pay DTensor's cache misses, and under the suite's load they measured
+    within 1.42x of fsdp)."""
     measured = {n: r["step_time_s"] for n, r in layouts.items()}
     predicted = {n: r["predicted_step_s"] for n, r in layouts.items()}
     ratio = {n: predicted[n] / measured[n] for n in layouts}
     for n in layouts:
         assert 0 < ratio[n] < 2.0, (n, predicted[n], measured[n])
     assert max(ratio.values()) < 4 * min(ratio.values()), (predicted, measured)
-    apart = [(a, b) for a in layouts for b in layouts if measured[a] * 1.5 < measured[b]]  # clearly slower
+    apart = [(a, b) for a in layouts for b in layouts if measured[a] * 1.25 < measured[b]]  # clearly slower
     assert apart, measured
     for a, b in apart:
         assert predicted[a] < predicted[b], (a, b, predicted, measured)

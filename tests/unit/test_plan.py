@@ -156,7 +156,8 @@ def test_json_schema(tmp_path: Any, capsys: Any) -> None:
         for g in row["groups"].values():
             assert set(g) == {"ranks", "peak_gb", "weights_gb", "grads_gb", "optimizer_gb", "activations_gb",
                               "limit_gb", "compute_s", "device_s", "host_s", "comm_exposed_s", "comm_hidden_s",
-                              "router_s", "optimizer_s", "busy_s", "idle_s"}
+                              "router_s", "optimizer_s", "busy_s", "idle_s", "data_wait_s", "loader_s"}
+            assert g["data_wait_s"] == g["loader_s"] == 0.0  # no data set: loading not priced
             assert isinstance(g["ranks"], int) and g["peak_gb"] >= g["weights_gb"] > 0
             assert 0 < g["compute_s"] <= g["busy_s"] <= row["step_time_s"] + 1e-12
             assert g["busy_s"] + g["idle_s"] == pytest.approx(row["step_time_s"])

@@ -15,7 +15,18 @@ from dhp.observe.devices import get_device
 from dhp.plan.costs import group_cost
 from dhp.plan.measure import GroupJob, GroupResult, measure, media_of
 from dhp.plan.ops import attn_key, gemm_key, merged
-from dhp.plan.profile import AttentionPoint, CollectiveFit, GemmPoint, Profile, fit_alpha_beta, ring_factor, roofline
+from dhp.plan.profile import (
+    BURST,
+    C10D,
+    FUNCTIONAL,
+    AttentionPoint,
+    CollectiveFit,
+    GemmPoint,
+    Profile,
+    fit_alpha_beta,
+    ring_factor,
+    roofline,
+)
 
 
 def test_alpha_beta_fit_recovers_a_known_latency_and_bandwidth() -> None:
@@ -169,9 +180,12 @@ def test_calibrate_on_cpu_writes_a_profile_that_plan_reads(tmp_path: Any, capsys
     p = Profile.load(out)
     assert p.source == "calibrated" and p.device_type == "cpu" and not p.async_launch
     assert p.gemm and p.attention and all(g.flops_per_s > 0 for g in p.gemm)
-    assert {f.kind for f in p.collectives} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+    assert {(f.kind, f.path) for f in p.collectives} == {
+        *((k, path) for k in kinds for path in (C10D, FUNCTIONAL)), ("broadcast", C10D), ("all_reduce", BURST),
+        ("broadcast", BURST)}
     assert all(f.alpha_s >= 0 and f.beta_bytes_per_s > 0 for f in p.collectives) and p.router is not None
-    assert p.cpu_op_s > 0 and p.hbm_bytes_per_s > 0 and p.dtensor_op_s > 0
+    assert p.cpu_op_s > 0 and p.hbm_bytes_per_s > 0 and p.dtensor_op_s > 0 and p.busy_slowdown >= 1.0
     assert p.fsdp_call_s >= 0 and p.tp_call_s >= 0  # (in-situ residuals: tests/unit/test_plan_accuracy.py)
     assert p.actor_call_s == 0 and p.object_store is None
 

@@ -124,8 +124,10 @@ def test_the_loaders_run_a_round_ahead_and_a_forward_waits_for_its_samples() -> 
     # quick loads: no wait, the step of a run without loaders
     fast = steady_replay(script, *_with_loaders(0.1)[:2], _with_loaders(0.1)[2])
     assert fast.step_s == pytest.approx(9.0) and fast.data_wait_s["vision"] == 0.0
-    # without ``loads`` the script has no load at all
-    assert not any(c.kind == "load" for a in driver_script(2, ["vision"], "text", ahead=1) for c in a.calls)
+    # without ``loads`` the script has no load at all, and the loaders' lanes are not groups
+    plain = driver_script(2, ["vision"], "text", ahead=1)
+    assert not any(c.kind == "load" for a in plain for c in a.calls)
+    assert set(replay(plain, lanes, pools, w).busy_s) == {"vision", "text"}
 
 
 def test_compute_slows_as_a_host_pool_fills() -> None:
