@@ -559,9 +559,10 @@ BUSY_ITERS = 30  # iterations of the block loop (``_block_loop``); ``--quick``: 
 BLOCK_TOKENS, BLOCK_WIDTH, BLOCK_HEAD = 2**8, 2**7, 2**6  # the block's sequence, width and head width
 
 
-def _block_loop(iters: int) -> float:
+def _block_loop(iters: int, ready: Callable[[], Any] = lambda: None) -> float:
     """Seconds per iteration (median of 3 runs) of a small transformer block's forward and backward at one thread
-    (GEMMs, attention, a norm, elementwise ops: a model's mix of compute- and memory-bound work)."""
+    (GEMMs, attention, a norm, elementwise ops: a model's mix of compute- and memory-bound work); ``ready()`` is
+    called after the warm-up, before the timed runs (a barrier: processes that must compute at once)."""
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
@@ -582,15 +583,18 @@ def _block_loop(iters: int) -> float:
         for _ in range(iters):
             block()
 
-    return timed(run, "cpu", reps=3, warmup=1, stat=statistics.median) / iters
+    run()
+    ready()
+    return timed(run, "cpu", reps=3, warmup=0, stat=statistics.median) / iters
 
 
-def _busy_worker(iters: int, out: str, parent: int) -> None:
-    """``_block_loop`` in a process of its own, its seconds per iteration written to ``out``."""
+def _busy_worker(iters: int, out: str, parent: int, barrier: Any) -> None:
+    """``_block_loop`` in a process of its own, timed once every such process has warmed up (``barrier``: they
+    compute at once), its seconds per iteration written to ``out``."""
     from dhp.lifetime import exit_with_parent
 
     exit_with_parent(parent)
-    Path(out).write_text(json.dumps(_block_loop(iters)))
+    Path(out).write_text(json.dumps(_block_loop(iters, lambda: barrier.wait(timeout=300))))
 
 
 def busy_slowdown(alone_s: float, together_s: list[float]) -> float:
@@ -600,29 +604,33 @@ def busy_slowdown(alone_s: float, together_s: list[float]) -> float:
 
 
 def measure_busy(cores: int, iters: int = BUSY_ITERS) -> float:
-    """``Profile.busy_slowdown``: ``_block_loop`` alone in one process, then in ``cores`` processes at once (one
-    thread each: a CPU bench's workers filling the host). Caches and memory bandwidth are shared between cores:
-    what one process measures alone (the GEMM table, the bandwidth) runs this much slower on a full host."""
+    """``Profile.busy_slowdown``: ``_block_loop`` alone (in this process, at one thread), then in ``cores``
+    processes at once, started together after their warm-up (one thread each: a CPU bench's workers filling the
+    host). Caches and memory bandwidth are shared between cores: what one process measures alone (the GEMM
+    table, the bandwidth) runs this much slower on a full host."""
     import multiprocessing as mp
 
+    threads = torch.get_num_threads()
+    try:
+        alone = _block_loop(iters)
+    finally:
+        torch.set_num_threads(threads)
     ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(cores)
     with tempfile.TemporaryDirectory() as tmp:
-        outs = [os.path.join(tmp, f"{k}.json") for k in range(cores + 1)]
-        alone = ctx.Process(target=_busy_worker, args=(iters, outs[0], os.getpid()))
-        alone.start()
-        alone.join(timeout=300)
-        procs = [ctx.Process(target=_busy_worker, args=(iters, o, os.getpid())) for o in outs[1:]]
+        outs = [os.path.join(tmp, f"{k}.json") for k in range(cores)]
+        procs = [ctx.Process(target=_busy_worker, args=(iters, o, os.getpid(), barrier)) for o in outs]
         for p in procs:
             p.start()
         for p in procs:
-            p.join(timeout=300)
-        if any(p.exitcode != 0 for p in [alone, *procs]) or not all(os.path.exists(o) for o in outs):
-            for p in [alone, *procs]:
+            p.join(timeout=600)
+        if any(p.exitcode != 0 for p in procs) or not all(os.path.exists(o) for o in outs):
+            for p in procs:
                 if p.is_alive():
                     p.kill()
             raise RuntimeError("dhp plan calibrate: the block loop on every core failed")
-        times = [json.loads(Path(o).read_text()) for o in outs]
-    return busy_slowdown(times[0], times[1:])
+        together = [json.loads(Path(o).read_text()) for o in outs]
+    return busy_slowdown(alone, together)
 
 
 def runtime_sizes(quick: bool) -> list[int]:
