@@ -86,18 +86,22 @@ def check_prediction(layouts: dict, out) -> None:
     The suite's other workers slow every measured step, by 10-25x at times (the CI run of 2026-12-03: the dhp
     layout 11.8 s a step against 0.5 s on the idle machine), never speed one up: so the bound is one-sided
     (the prediction not above twice the measurement), and the load is taken out of the rest by comparing the
-    layouts with one another: each layout's predicted / measured within 4x of every other's, and the ranking
-    of the layouts measured clearly apart (1.25x: since the language model's packed lengths are rounded up,
-    2026-12-06, its TP layouts no longer pay DTensor's cache misses, and under the suite's load they measured
-    within 1.42x of fsdp)."""
+    layouts with one another: each layout's predicted / measured within 4x of every other's; the ranking of the
+    fastest and the slowest layout measured (they must be 1.25x apart), and of every pair measured 2x apart.
+    Why not every pair 1.25x or 1.5x apart: the load moves within a layout's minute of steps, so under the suite
+    two layouts' order can flip (the CI run of 2026-12-06 06:00 UTC measured fsdp at 2.63 s, dhp at 1.74 and
+    uniform_tp at 5.70, against 0.25, 0.37 and 0.56 s on the idle machine), and since the language model's
+    packed lengths are rounded up (2026-12-06) its TP layouts are nearer fsdp's step (within 1.42x under the
+    suite's load in another run)."""
     measured = {n: r["step_time_s"] for n, r in layouts.items()}
     predicted = {n: r["predicted_step_s"] for n, r in layouts.items()}
     ratio = {n: predicted[n] / measured[n] for n in layouts}
     for n in layouts:
         assert 0 < ratio[n] < 2.0, (n, predicted[n], measured[n])
     assert max(ratio.values()) < 4 * min(ratio.values()), (predicted, measured)
-    apart = [(a, b) for a in layouts for b in layouts if measured[a] * 1.25 < measured[b]]  # clearly slower
-    assert apart, measured
+    fastest, slowest = min(measured, key=measured.get), max(measured, key=measured.get)
+    assert measured[fastest] * 1.25 < measured[slowest], measured  # the layouts are told apart at all
+    apart = [(fastest, slowest)] + [(a, b) for a in layouts for b in layouts if measured[a] * 2 < measured[b]]
     for a, b in apart:
         assert predicted[a] < predicted[b], (a, b, predicted, measured)
     for n, r in layouts.items():
