@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dhp.config import Config, ConfigError, ParallelConfig, TrainConfig, compute_dtype
-from dhp.data.batch import Sample, pack
+from dhp.data.batch import Batch, PackedMeta, Sample, pack
 from dhp.data.loader import pin_tensors, to_device
 from dhp.models.spec import Encoder, Family, LanguageModel, Module, Named, ParallelizeOptions
 from dhp.parallel.layout import Parallel
@@ -48,7 +48,8 @@ SampleLoader = Callable[..., Sample]  # (sample_id, pixels: bool) -> Sample
 Piece = tuple[torch.Tensor, Named]  # (token index [n] into the sample's placeholder tokens, {output name: [n, D_name]})
 
 __all__ = ["EncoderEngine", "LanguageEngine", "ModuleEngine", "Parallel", "Piece", "Precision", "assemble",
-           "assemble_slice", "pack_multiple", "precision_of", "sequence_slice", "single_process", "slot_positions"]
+           "assemble_slice", "pack_language", "pack_multiple", "precision_of", "sequence_slice", "single_process",
+           "slot_positions"]
 
 
 def single_process(config: ParallelConfig | None = None) -> Parallel:
@@ -591,9 +592,7 @@ class LanguageEngine(ModuleEngine):
 
         with host_metadata():  # the data pipeline's work: host tensors, host metadata
             samples = [self.load(i, pixels=False) for i in sample_ids]  # placeholders only: no media decoding
-            batch = pack(samples, self.pack_multiple)
-            meta = batch.meta([t for enc in self.encoders for t in enc.placeholder_ids(self.model_cfg)],
-                              rows_multiple=self.pack_multiple)
+            batch, meta = pack_language(samples, self.encoders, self.model_cfg, self.pack_multiple)
         inputs = self._inputs(batch)  # copies issued before the media are placed: they overlap it
         bounds = self._own_slice(batch.input_ids.numel()) if sequence_slice else None
         media: dict[int, Any] = {}
@@ -719,6 +718,15 @@ def pack_multiple(cfg: Config, language: str) -> int:
     p = cfg.module(language).parallel
     want = cfg.data.pad_to_multiple_of or (TP_PAD_MULTIPLE if p.tp > 1 else 1)
     return math.lcm(want, p.tp) if p.sequence_parallel and p.tp > 1 else want
+
+
+def pack_language(samples: list[Sample], encoders: Iterable[Encoder], model_cfg: Any,
+                  multiple: int) -> tuple[Batch, PackedMeta]:
+    """The language model's micro-batch as it runs: ``samples`` packed to ``multiple`` (``pack_multiple``) and
+    its host metadata (every encoder's placeholder positions; the supervised rows rounded up the same way). The
+    one packing of the engine and the planner's fake run."""
+    batch = pack(samples, multiple)
+    return batch, batch.meta([t for enc in encoders for t in enc.placeholder_ids(model_cfg)], multiple)
 
 
 def sequence_slice(n_tokens: int, tp: int, rank: int) -> tuple[int, int]:

@@ -163,19 +163,22 @@ def pack(samples: list[Sample], multiple: int = 1) -> Batch:
     > 1) a padding segment up to ``padded_length``: ids ``PAD_ID``, positions from 0, no supervised target."""
     if not samples:
         raise ValueError("pack() needs at least one sample")
-    pad = padded_length(sum(s.num_tokens for s in samples), multiple) - sum(s.num_tokens for s in samples)
-    lengths = torch.tensor([s.num_tokens for s in samples] + ([pad] if pad else []), dtype=torch.int32)
+    lengths = [s.num_tokens for s in samples]
+    ids = [s.input_ids.long() for s in samples]
+    positions = [s.position_ids.long() for s in samples]
+    targets = [shifted_targets(s.labels.long()) for s in samples]
+    pad = padded_length(sum(lengths), multiple) - sum(lengths)
+    if pad:  # a segment of its own: nothing attends across it, and it is never a target
+        lengths.append(pad)
+        ids.append(torch.full((pad,), PAD_ID, dtype=torch.long))
+        positions.append(torch.arange(pad).expand(positions[0].shape[0], pad))
+        targets.append(torch.full((pad,), IGNORE_INDEX, dtype=torch.long))
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
-    axes = samples[0].position_ids.shape[0]
-    tail = [torch.full((pad,), PAD_ID, dtype=torch.long)] if pad else []
-    untargeted = [torch.full((pad,), IGNORE_INDEX, dtype=torch.long)] if pad else []
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     return Batch(
-        input_ids=torch.cat([s.input_ids.long() for s in samples] + tail)[None],
-        position_ids=torch.cat([s.position_ids.long() for s in samples]
-                               + ([torch.arange(pad).expand(axes, pad)] if pad else []), dim=1)[:, None],
-        targets=torch.cat([shifted_targets(s.labels.long()) for s in samples]
-                          + untargeted)[None],
+        input_ids=torch.cat(ids)[None],
+        position_ids=torch.cat(positions, dim=1)[:, None],
+        targets=torch.cat(targets)[None],
         cu_seqlens=cu,
         sample_ids=[s.index for s in samples],
     )

@@ -319,17 +319,15 @@ def _inputs(job: GroupJob, model_cfg: Any, family: Any) -> _Inputs:
         if not job.tokens(job.module):
             return _Inputs()  # no media for this encoder: it runs no micro-batch (as the engine skips it)
         return _Inputs(samples=synthetic_samples(job, model_cfg, family, {job.module: job.tokens(job.module)}))
-    from dhp.data.batch import pack
-    from dhp.engine import pack_multiple
+    from dhp.engine import pack_language, pack_multiple
 
     samples = real if real is not None else synthetic_samples(job, model_cfg, family)
     cfg = _config(job)
     payload = torch.bfloat16 if compute_dtype(cfg.train, job.device) == "bfloat16" else torch.float32
     media = media_inputs(job, model_cfg, family, samples, payload)
-    multiple = pack_multiple(cfg, job.module)
     with _real():  # as the engine packs, and its host metadata
-        batch = pack([without_media(s) for s in samples], multiple)
-        meta = batch.meta([t for enc in family.encoders for t in enc.placeholder_ids(model_cfg)], multiple)
+        batch, meta = pack_language([without_media(s) for s in samples], family.encoders, model_cfg,
+                                    pack_multiple(cfg, job.module))
     return _Inputs(batch=batch, media=media, meta=meta)
 
 

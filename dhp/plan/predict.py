@@ -9,7 +9,7 @@ running at a moment share the host's cores), on its own data:
   micro-batch of the step's real samples (``real_batches``: their host metadata as loaded, their media as shapes)
   in place of the family's synthetic ones: mixed lengths, several images to a sample, text-only samples priced
   as they are (attention is quadratic per sample, and the ops a micro-batch dispatches grow with its segments);
-  and the loaders' seconds per sample of each group, timed on those samples (``load_seconds``): the replay runs
+  and the loaders' seconds per sample of each group, timed on those samples' loads: the replay runs
   the loaders beside the calls (on a CPU host, on the same cores) and makes a forward wait for its samples;
 * without it, the data set's mean sample (per encoder the mean of its input tokens over the samples that carry
   it, placeholders x the family's input tokens per placeholder; the mean text besides the placeholders),
@@ -59,40 +59,29 @@ def data_shape(cfg: Any, limit: int = 512) -> tuple[Any, Any, dict[str, int], in
 
 def real_batches(cfg: Any, family: Any, step: int) -> tuple[Any, dict[str, SampleBatch], dict[str, float]]:
     """(step ``step``'s plan, by the trainer's own planner over the config's data; per module group a micro-batch of
-    it as a ``SampleBatch``; per group the seconds a loader takes per sample, ``load_seconds``): the language
-    model's first round (its first replica's samples), and each encoder's busiest replica in the first round whose
+    it as a ``SampleBatch``; per group the mean seconds of those samples' loads, timed as its loaders make them:
+    with the media for an encoder, ids and placeholders only for the language model): the language model's first
+    round (its first replica's samples), and each encoder's busiest replica in the first round whose
     replicas hold any of its samples (those that carry its media)."""
     from dhp.inputs import prepare
 
     prepared = prepare(cfg)
     plan = prepared.planner.plan(step)
     ds = prepared.dataset
-    out, ids = {}, {}
+    out, load_s = {}, {}
     for name in family.module_names:
-        if name == family.language.name:
-            ids[name] = list(plan.rounds[0].replicas(name)[0])
-            out[name] = SampleBatch.of([ds.get(i, pixels=False) for i in ids[name]])
-            continue
-        ids[name] = next((list(max(rnd.replicas(name), key=len)) for rnd in plan.rounds if any(rnd.replicas(name))),
-                         [])
-        out[name] = SampleBatch.of([shape_sample(ds.get(i), ds.get(i, pixels=False)) for i in ids[name]])
-    return plan, out, load_seconds(ds, family, ids)
-
-
-def load_seconds(ds: Any, family: Any, ids: dict[str, list[int]]) -> dict[str, float]:
-    """Per module group, the mean seconds of the data set's ``get`` per sample of ``ids[group]``, as its loaders
-    call it: with the media (an encoder), without (the language model: ids and placeholders only). Timed on
-    samples loaded once already (the file cache warm, as a run's is after its first epoch's reads)."""
-    out = {}
-    for name, group_ids in ids.items():
-        pixels = name != family.language.name
-        if not group_ids:
-            continue
+        language = name == family.language.name
+        if language:
+            ids = list(plan.rounds[0].replicas(name)[0])
+        else:
+            ids = next((list(max(rnd.replicas(name), key=len)) for rnd in plan.rounds if any(rnd.replicas(name))), [])
         t0 = time.perf_counter()
-        for i in group_ids:
-            ds.get(i, pixels=pixels)
-        out[name] = (time.perf_counter() - t0) / len(group_ids)
-    return out
+        loaded = [ds.get(i, pixels=not language) for i in ids]  # as the group's loaders load them
+        if ids:
+            load_s[name] = (time.perf_counter() - t0) / len(ids)
+        out[name] = SampleBatch.of(loaded if language else
+                                   [shape_sample(s, ds.get(i, pixels=False)) for i, s in zip(ids, loaded, strict=True)])
+    return plan, out, load_s
 
 
 def predict_config(cfg: Any, profile: Profile, workers: int = 1, step: int | None = None) -> dict[str, Any]:
