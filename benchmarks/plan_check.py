@@ -65,35 +65,38 @@ def main() -> None:
         res = run_bench(default_config_path(), overrides, layouts, args.steps, args.warmup,
                         profile=out / "cpu_profile.json")
     rows = {n: (r["predicted_step_s"], r["step_time_s"]) for n, r in res["layouts"].items()}
+    medians = {n: r.get("step_time_median_s", r["step_time_s"]) for n, r in res["layouts"].items()}
     busy = {n: {g: (r["prediction"]["groups"][g]["busy_s"] / r["predicted_step_s"], r["groups"][g]["busy"])
                 for g in r["groups"]} for n, r in res["layouts"].items() if "prediction" in r}
     wait = {n: {g: (r["prediction"]["groups"][g].get("data_wait_s", 0.0), r["groups"][g].get("data_wait_s", 0.0))
                 for g in r["groups"]} for n, r in res["layouts"].items() if "prediction" in r}
-    print(f"\n{'layout':<12} {'predicted s':>12} {'measured s':>11} {'pred/meas':>10}   "
-          "busy share predicted / measured; data wait ms predicted / measured")
+    print(f"\n{'layout':<12} {'predicted s':>12} {'measured s':>11} {'pred/meas':>10} {'median s':>9} "
+          f"{'pred/med':>9}   busy share predicted / measured; data wait ms predicted / measured")
     for n, (p, m) in rows.items():
         shares = "  ".join(f"{g} {a:.0%} / {b:.0%}" for g, (a, b) in busy.get(n, {}).items())
         waits = "  ".join(f"{g} {a * 1e3:.1f} / {b * 1e3:.1f}" for g, (a, b) in wait.get(n, {}).items())
-        print(f"{n:<12} {p:>12.3f} {m:>11.3f} {p / m:>10.2f}   {shares};  {waits}")
+        print(f"{n:<12} {p:>12.3f} {m:>11.3f} {p / m:>10.2f} {medians[n]:>9.3f} {p / medians[n]:>9.2f}   "
+              f"{shares};  {waits}")
     by_pred = sorted(rows, key=lambda n: rows[n][0])
     by_meas = sorted(rows, key=lambda n: rows[n][1])
     print(f"ranking, fastest first: predicted {by_pred}; measured {by_meas}; "
           f"{'agree' if by_pred == by_meas else 'differ'}")
-    (out / "plan_check.json").write_text(json.dumps({"profile": prof.label, "terms": terms, "rows": rows,
-                                                     "busy_share": busy, "data_wait_s": wait,
-                                                     "predicted_order": by_pred, "measured_order": by_meas}, indent=1))
+    (out / "plan_check.json").write_text(json.dumps({
+        "profile": prof.label, "terms": terms, "rows": rows, "median_step_s": medians, "busy_share": busy,
+        "data_wait_s": wait, "predicted_order": by_pred, "measured_order": by_meas}, indent=1))
 
 
 def profile_terms(prof: Any, nbytes: int = 2**18) -> dict[str, float]:
     """The profile's CPU accuracy terms: an all-reduce of ``nbytes`` over 2 ranks by each path, a collective's
-    peer wait on an oversubscribed host at the calibration's processes per core, and compute's slowdown with every
-    core busy."""
+    peer wait on an oversubscribed host at the calibration's processes per core, compute's slowdown with every
+    core busy, DTensor's cost per op, FSDP2's and TP's per call beyond their fits, and the runtime's hop."""
     from dhp.plan.profile import C10D, FUNCTIONAL
 
     return {"all_reduce_256KB_c10d_s": prof.collective_s("all_reduce", 2, nbytes, 1, C10D),
             "all_reduce_256KB_functional_s": prof.collective_s("all_reduce", 2, nbytes, 1, FUNCTIONAL),
             "contention_wait_s": prof.contention_wait_s, "contention_ratio": prof.contention_ratio,
-            "busy_slowdown": prof.busy_slowdown}
+            "busy_slowdown": prof.busy_slowdown, "dtensor_op_s": prof.dtensor_op_s, "tp_call_s": prof.tp_call_s,
+            "fsdp_call_s": prof.fsdp_call_s, "runtime_hop_s": prof.actor_call_s}
 
 
 def predict_layouts(layouts: dict, overrides: list[str], out: Path, steps: int, warmup: int, prof: Any) -> dict:

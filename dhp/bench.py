@@ -5,7 +5,8 @@ Each layout is a list of config overrides applied on top of the run's config (th
 after another in this process, on the Ray backend, each for ``warmup + steps`` steps; the
 warm-up steps are left out of every figure. Per layout ``bench.json`` holds:
 
-* ``tokens_per_s`` and ``ratio_to_uniform_tp``;
+* ``tokens_per_s`` and ``ratio_to_uniform_tp``; ``step_time_s`` (the mean) and ``step_time_median_s`` (a step
+  the host stalled counts once, not by its length);
 * per group: ``busy`` and ``idle`` (mean over its ranks of the fraction of the step they compute),
   ``imbalance`` (busiest replica over the mean), ``mfu``, ``peak_memory_gb`` (the peak of its busiest rank);
 * ``comm_bytes_per_step``: bytes each group hands to each kind of collective per step (all ranks);
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 from typing import TYPE_CHECKING, Any
 
 from dhp.config import Config, ConfigError, load_config
@@ -105,6 +106,7 @@ def summarize(rows: list[dict], warmup: int, modules: list[str]) -> dict[str, An
     out: dict[str, Any] = {
         "steps_measured": [r["step"] for r in measured],
         "step_time_s": seconds / len(measured),
+        "step_time_median_s": median(r["step_time_s"] for r in measured),
         "tokens_per_s": sum(r["tokens"] for r in measured) / seconds,
         "router_bytes_per_step": mean(r.get("router_bytes", 0) for r in measured),
         "router_bytes_per_step_by_direction": {d: mean(r.get(f"router_bytes_{d}", 0) for r in measured)

@@ -23,8 +23,9 @@ What it measures, each the least time of a few timed repetitions after a warm-up
   sharing's prediction (their time alone x the slowdown of the same ranks' GEMMs), per all-reduce, is a
   collective's wait for its peer's process to be scheduled on an oversubscribed host
   (``Profile.contention_wait_s`` at ``contention_ratio`` processes per core);
-* the runtime: Ray's round trip of one actor call and a tensor handed from actor to actor through the object
-  store (``measure_runtime``; ``runtime=False`` leaves them out, and the replay then prices no call overhead).
+* the runtime: the hop from one group's call to the next group's through the runtime's call path
+  (``dhp.plan.hop``) and a tensor handed from actor to actor through the object store (``measure_runtime``;
+  ``runtime=False`` leaves them out, and the replay then prices no call overhead).
 
 On CPU the host does the work itself (``async_launch`` false). On a CUDA device the compute rows run there;
 collectives need as many GPUs as ranks (NCCL), so with one GPU they are left to the device table's link
@@ -336,6 +337,36 @@ def _tp_stack(world: int, reps: int) -> dict[str, Any]:
             "dtensor_ops": merged(tally.tally()).get("dtensor_ops", 0), "path": FUNCTIONAL}
 
 
+def _dtensor_worker(rank: int, world: int, port: int, tp: int, reps: int, out: str, parent: int) -> None:
+    """The TP stack of ``_tp_stack`` at its local shards' widths over ``tp`` ranks, parallelized by the same plans
+    on a mesh of this one process (``world`` 1), against the same stack unsharded (each its least over ``reps``
+    steps): DTensor's sharding propagation and redistributions without a collective, whose in-situ cost would
+    drown them (the 2-rank stack's 12 all-reduces are about 2/3 of its step on the CPU machine, and vary by more
+    than the dispatch costs)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from dhp.lifetime import exit_with_parent
+    from dhp.plan.ops import OpTally, merged
+
+    exit_with_parent(parent)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    local, sharded = (_stack(STACK_UNITS, STACK_WIDTH, 4 * STACK_WIDTH // tp) for _ in range(2))
+    for unit in sharded:
+        parallelize_module(unit, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
+    x = torch.randn(STACK_TOKENS, STACK_WIDTH, requires_grad=True)
+    sharded(x).sum().backward()  # the sharding propagation's caches filled
+    with OpTally() as tally:
+        sharded(x).sum().backward()
+    Path(out).write_text(json.dumps({"sharded_s": timed(lambda: sharded(x).sum().backward(), reps=reps),
+                                     "plain_s": timed(lambda: local(x).sum().backward(), reps=reps),
+                                     "dtensor_ops": merged(tally.tally()).get("dtensor_ops", 0)}))
+    dist.destroy_process_group()
+
+
 def stack_call_s(stack: dict[str, Any], world: int, fits: list[CollectiveFit], dtensor_op_s: float) -> float:
     """Seconds per collective call that a parallel stack's step took beyond what the model prices: its time less
     the plain stack's, less its collectives by the ``fits`` (their path's, in situ) and its DTensor ops'
@@ -349,17 +380,14 @@ def stack_call_s(stack: dict[str, Any], world: int, fits: list[CollectiveFit], d
     return max(0.0, rest / max(1, calls))
 
 
-def stack_op_s(stack: dict[str, Any], world: int, fits: list[CollectiveFit]) -> float:
-    """Seconds per DTensor op that a TP stack's step took beyond its plain stack and its collectives by the
-    ``fits`` (in situ): DTensor's dispatch as a TP layer meets it (its linears' views, transposes and matmuls on
-    sharded specs, the redistributions and ``from_local`` around its collectives), where a lone op on a replicated
-    DTensor (``_dtensor_op_s``) is the fast path's floor. 0 where the stack ran no DTensor op."""
+def stack_op_s(stack: dict[str, Any]) -> float:
+    """Seconds per DTensor op that a TP stack's step took beyond the same stack unsharded, measured where no
+    collective runs (``_dtensor_worker``: a one-rank mesh): DTensor's dispatch as a TP layer meets it (its linears'
+    views, transposes and matmuls on sharded specs, the redistributions and ``from_local`` around them), where a
+    lone op on a replicated DTensor (``_dtensor_op_s``) is the fast path's floor. 0 where it ran no DTensor op."""
     if not stack["dtensor_ops"]:
         return 0.0
-    p = Profile("stack", collectives=fits, link_bytes_per_s=1.0)
-    priced = sum(p.collective_s(k, world, b, stack["calls"].get(k, 1), stack["path"])
-                 for k, b in stack["bytes"].items())
-    return max(0.0, stack["sharded_s"] - stack["plain_s"] - priced) / stack["dtensor_ops"]
+    return max(0.0, stack["sharded_s"] - stack["plain_s"]) / stack["dtensor_ops"]
 
 
 def functional_name(kind: str) -> str:
@@ -451,9 +479,9 @@ def measure_collectives(ranks: tuple[int, ...], sizes: list[int], reps: int = IN
     """Fits per kind and group size over gloo, in ``ranks`` local processes each, of each size's ``in_situ`` time
     (``reps`` iterations), and of the same calls back to back (path ``BURST``); the send fit from 2 ranks; the
     host's terms (``Profile`` fields) from the first group's processes: ``dtensor_op_s``, DTensor's cost per op in
-    a TP stack (``stack_op_s``; at least a lone op's, ``_dtensor_op_s``), and ``fsdp_call_s``, ``tp_call_s``,
-    what an FSDP2 and a TP stack's collective calls cost beyond their in-situ fits and DTensor's ops
-    (``stack_call_s``; the TP stack's is 0 by construction, its rest being in ``dtensor_op_s``)."""
+    a TP stack without communication (``stack_op_s`` of ``_dtensor_worker``; at least a lone op's,
+    ``_dtensor_op_s``), and ``fsdp_call_s``, ``tp_call_s``, what an FSDP2 and a TP stack's collective calls cost
+    beyond their in-situ fits and DTensor's ops (``stack_call_s``)."""
     fits, router, terms = [], None, {}
     for world in ranks:
         points = _run_ranks(_collective_worker, world, (sizes, reps), f"the {world}-process gloo collective run")
@@ -471,7 +499,8 @@ def measure_collectives(ranks: tuple[int, ...], sizes: list[int], reps: int = IN
                 new.append(fit)
         fits += new
         if not terms:
-            op_s = max(dtensor, stack_op_s(stacks["tp"], world, new))  # DTensor's cost per op, as a TP layer pays it
+            dispatch = _run_ranks(_dtensor_worker, 1, (world, reps), "the DTensor dispatch run")
+            op_s = max(dtensor, stack_op_s(dispatch))  # DTensor's cost per op, as a TP layer pays it
             terms = {"dtensor_op_s": op_s, **{f"{k}_call_s": stack_call_s(st, world, new, op_s)
                                               for k, st in stacks.items()}}
     return fits, router, terms
@@ -638,12 +667,15 @@ def runtime_sizes(quick: bool) -> list[int]:
 
 
 def measure_runtime(sizes: list[int], reps: int = 15) -> tuple[float, CollectiveFit]:
-    """(an actor call's round trip, the object store's ``alpha + bytes / beta``) of Ray on this machine: two
-    actors of a fresh local Ray (``dhp.runtime.cluster.init_local_ray``); a no-op call's median round trip from
-    the driver, and a tensor one actor returns handed to the other by reference (the ``ray`` data plane's
-    transfer: put on return, fetched as the argument), less two round trips."""
+    """(the runtime's hop between two groups' calls, the object store's ``alpha + bytes / beta``) of Ray on this
+    machine, in a fresh local Ray (``dhp.runtime.cluster.init_local_ray``): the hop through the runtime's own call
+    path (``dhp.plan.hop.measure_hop``: two groups of two ranks, one's call ending to the other's starting, no
+    tensor between them: the router's transfers are priced by the fit); and a tensor one actor returns handed to
+    another by reference (the ``ray`` data plane's transfer: put on return, fetched as the argument), less two
+    no-op round trips."""
     import ray
 
+    from dhp.plan.hop import measure_hop
     from dhp.runtime.cluster import init_local_ray
 
     started = not ray.is_initialized()
@@ -672,10 +704,11 @@ def measure_runtime(sizes: list[int], reps: int = 15) -> tuple[float, Collective
                   for n in sizes]
         for actor in (a, b):
             ray.kill(actor)
+        hop = measure_hop(2, reps, nbytes=0)
     finally:
         if started:
             ray.shutdown()
-    return call, CollectiveFit("object_store", 2, *noisy_fit(points))
+    return hop, CollectiveFit("object_store", 2, *noisy_fit(points))
 
 
 def noisy_fit(points: list[tuple[float, float]]) -> tuple[float, float]:

@@ -59,10 +59,10 @@ def data_shape(cfg: Any, limit: int = 512) -> tuple[Any, Any, dict[str, int], in
 
 def real_batches(cfg: Any, family: Any, step: int) -> tuple[Any, dict[str, SampleBatch], dict[str, float]]:
     """(step ``step``'s plan, by the trainer's own planner over the config's data; per module group a micro-batch of
-    it as a ``SampleBatch``; per group the mean seconds of those samples' loads, timed as its loaders make them:
-    with the media for an encoder, ids and placeholders only for the language model): the language model's first
-    round (its first replica's samples), and each encoder's busiest replica in the first round whose
-    replicas hold any of its samples (those that carry its media)."""
+    it as a ``SampleBatch``; per group the mean seconds of those samples' loads, timed as its loaders make them,
+    after one untimed load: with the media for an encoder, ids and placeholders only for the language model): the
+    language model's first round (its first replica's samples), and each encoder's busiest replica in the first
+    round whose replicas hold any of its samples (those that carry its media)."""
     from dhp.inputs import prepare
 
     prepared = prepare(cfg)
@@ -75,6 +75,8 @@ def real_batches(cfg: Any, family: Any, step: int) -> tuple[Any, dict[str, Sampl
             ids = list(plan.rounds[0].replicas(name)[0])
         else:
             ids = next((list(max(rnd.replicas(name), key=len)) for rnd in plan.rounds if any(rnd.replicas(name))), [])
+        if ids:  # untimed: a process's first load opens the files and sets up the decoders, once per run
+            ds.get(ids[0], pixels=not language)
         t0 = time.perf_counter()
         loaded = [ds.get(i, pixels=not language) for i in ids]  # as the group's loaders load them
         if ids:

@@ -136,7 +136,7 @@ class Profile:
     router: CollectiveFit | None = None
     cores: int = 0  # a CPU profile: the host's cores, and the threads each measurement ran on
     threads: int = 0
-    actor_call_s: float = 0.0  # the runtime's round trip of one actor call (driver -> worker -> driver)
+    actor_call_s: float = 0.0  # the runtime's hop: one group's call ending to the next's starting (``plan.hop``)
     object_store: CollectiveFit | None = None  # a tensor through Ray's object store, worker to worker
     contention_wait_s: float = 0.0  # a collective call's wait beyond processor sharing on an oversubscribed host
     contention_ratio: float = 0.0  # ... measured at this many processes per core (0: not measured)

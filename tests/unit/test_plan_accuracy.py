@@ -148,12 +148,13 @@ def test_a_stacks_call_cost_is_its_time_beyond_the_plain_stack_its_priced_collec
           "dtensor_ops": 100, "path": FUNCTIONAL}
     assert stack_call_s(tp, 2, fits, 1e-5) == pytest.approx((0.020 - (4e-3 + 2e-3) - 100 * 1e-5) / 4)
     assert stack_call_s({**tp, "sharded_s": 0.012}, 2, fits, 1e-5) == 0.0
-    # per DTensor op instead (what calibrate keeps for TP): the rest over the stack's 100 DTensor ops; then
-    # nothing is left per call
-    op_s = stack_op_s(tp, 2, fits)
-    assert op_s == pytest.approx((0.020 - (4e-3 + 2e-3)) / 100)
-    assert stack_call_s(tp, 2, fits, op_s) == pytest.approx(0.0, abs=1e-12)
-    assert stack_op_s(fsdp, 2, fits) == 0.0  # no DTensor op
+    # DTensor's cost per op, from the stack on a one-rank mesh (no collective): 8 ms beyond 10 over 100 ops;
+    # what the two-rank stack took beyond it and its fits is per call: (20 - 6 - 8) ms over 4 calls
+    op_s = stack_op_s({"sharded_s": 0.018, "plain_s": 0.010, "dtensor_ops": 100})
+    assert op_s == pytest.approx(8e-5)
+    assert stack_call_s(tp, 2, fits, op_s) == pytest.approx(1.5e-3)
+    assert stack_op_s({"sharded_s": 0.009, "plain_s": 0.010, "dtensor_ops": 100}) == 0.0  # never below 0
+    assert stack_op_s(fsdp) == 0.0  # no DTensor op
 
 
 def test_fsdp2_and_tp_calls_pay_their_in_situ_terms_where_they_run() -> None:
