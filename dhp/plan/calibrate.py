@@ -34,6 +34,7 @@ bandwidth (the profile says so in ``machine``). ``quick``: a smaller grid and gr
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -43,7 +44,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -565,21 +566,29 @@ def measure_contention(cores: int, iters: int = CONTENTION_ITERS) -> tuple[float
     """(``contention_wait_s``, ``contention_ratio``): two ranks' loops (``_contention_worker``) alone, then beside
     ``cores`` busy one-thread processes (``cores + 2`` processes on ``cores`` cores, as a CPU bench's four workers
     on two cores): ``contention_wait`` per all-reduce, at ``(cores + 2) / cores`` processes per core."""
+    alone = _run_ranks(_contention_worker, 2, (iters,), "the contention loop (alone)")
+    with busy_host(cores):
+        beside = _run_ranks(_contention_worker, 2, (iters,), "the contention loop (beside busy processes)")
+    return contention_wait(alone, beside, iters), (cores + 2) / cores
+
+
+@contextlib.contextmanager
+def busy_host(processes: int) -> Iterator[None]:
+    """``processes`` one-thread processes computing (``_busy``) while the block runs: a host whose cores are
+    taken, as a CPU run's workers take them."""
     import multiprocessing as mp
 
-    alone = _run_ranks(_contention_worker, 2, (iters,), "the contention loop (alone)")
     ctx = mp.get_context("spawn")
-    busy = [ctx.Process(target=_busy, args=(os.getpid(),), daemon=True) for _ in range(cores)]
+    busy = [ctx.Process(target=_busy, args=(os.getpid(),), daemon=True) for _ in range(processes)]
     for p in busy:
         p.start()
     try:
-        beside = _run_ranks(_contention_worker, 2, (iters,), "the contention loop (beside busy processes)")
+        yield
     finally:
         for p in busy:
             p.kill()
         for p in busy:
             p.join(timeout=30)
-    return contention_wait(alone, beside, iters), (cores + 2) / cores
 
 
 # ---- compute on a host whose every core is busy ------------------------------------------------------------------
@@ -666,12 +675,13 @@ def runtime_sizes(quick: bool) -> list[int]:
     return [2**12, 2**18, 2**22] if quick else [2**12, 2**16, 2**20, 2**22, 2**24]
 
 
-def measure_runtime(sizes: list[int], reps: int = 15) -> tuple[float, CollectiveFit]:
-    """(the runtime's hop between two groups' calls, the object store's ``alpha + bytes / beta``) of Ray on this
-    machine, in a fresh local Ray (``dhp.runtime.cluster.init_local_ray``): the hop through the runtime's own call
-    path (``dhp.plan.hop.measure_hop``: two groups of two ranks, one's call ending to the other's starting, no
-    tensor between them: the router's transfers are priced by the fit); and a tensor one actor returns handed to
-    another by reference (the ``ray`` data plane's transfer: put on return, fetched as the argument), less two
+def measure_runtime(sizes: list[int], reps: int = 15, busy_cores: int = 0) -> tuple[float, float, CollectiveFit]:
+    """(the runtime's hop between two groups' calls; the same hop with ``busy_cores`` busy processes beside it, 0
+    where not measured; the object store's ``alpha + bytes / beta``) of Ray on this machine, in a fresh local Ray
+    (``dhp.runtime.cluster.init_local_ray``). The hop goes through the runtime's own call path
+    (``dhp.plan.hop.measure_hop``: two groups of two ranks, one's call ending to the other's starting, no tensor
+    between them: the router's transfers are priced by the fit); the fit is of a tensor one actor returns handed
+    to another by reference (the ``ray`` data plane's transfer: put on return, fetched as the argument), less two
     no-op round trips."""
     import ray
 
@@ -705,10 +715,14 @@ def measure_runtime(sizes: list[int], reps: int = 15) -> tuple[float, Collective
         for actor in (a, b):
             ray.kill(actor)
         hop = measure_hop(2, reps, nbytes=0)
+        busy_hop = 0.0
+        if busy_cores:  # the same with every core taken, as a CPU run's workers take them while the driver hops
+            with busy_host(busy_cores):
+                busy_hop = measure_hop(2, reps, nbytes=0)
     finally:
         if started:
             ray.shutdown()
-    return hop, CollectiveFit("object_store", 2, *noisy_fit(points))
+    return hop, busy_hop, CollectiveFit("object_store", 2, *noisy_fit(points))
 
 
 def noisy_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -774,10 +788,11 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
         busy = measure_busy(os.cpu_count() or 1, BUSY_ITERS // 2 if quick else BUSY_ITERS)
     else:
         note = "; collectives: the device table's link (one GPU here)"
-    call_s, store = 0.0, None
+    call_s, busy_call_s, store = 0.0, 0.0, None
     if runtime:
-        say("Ray: an actor call's round trip, the object store")
-        call_s, store = measure_runtime(runtime_sizes(quick))
+        say("Ray: the runtime's hop between calls (alone and on a busy host), the object store")
+        call_s, busy_call_s, store = measure_runtime(runtime_sizes(quick),
+                                                     busy_cores=(os.cpu_count() or 1) if device == "cpu" else 0)
     say("done")
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return Profile(name=name, source=CALIBRATED, device_type=device, machine=machine(device) + note,
@@ -788,6 +803,7 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
                    router=router,
                    cores=(os.cpu_count() or 1) if device == "cpu" else 0,
                    threads=torch.get_num_threads() if device == "cpu" else 0, actor_call_s=call_s,
+                   busy_call_s=busy_call_s,
                    object_store=store, contention_wait_s=contention_s, contention_ratio=contention_ratio,
                    busy_slowdown=busy)
 

@@ -296,7 +296,8 @@ def run_calibrate(args: Any) -> int:
                      log=lambda s: print(s, file=sys.stderr, flush=True), threads=getattr(args, "threads", None),
                      runtime=not getattr(args, "no_runtime", False))
     prof.save(out)
-    ray = f", runtime hop {prof.actor_call_s * 1e3:.2f} ms" if prof.actor_call_s else ""
+    busy = f" ({prof.busy_call_s * 1e3:.2f} ms on a busy host)" if prof.busy_call_s else ""
+    ray = f", runtime hop {prof.actor_call_s * 1e3:.2f} ms{busy}" if prof.actor_call_s else ""
     print(f"wrote {out}: {prof.label}; GEMM up to {prof.peak_flops / 1e9:.1f} GFLOP/s, memory "
           f"{prof.hbm_bytes_per_s / 1e9:.1f} GB/s, {prof.cpu_op_s * 1e6:.1f} us per op, "
           f"{len(prof.collectives)} collective fits{ray}")

@@ -5,16 +5,17 @@ one before (``RayBackend.run_step``): an encoder's forward, its ``emit`` queued 
 ``forward_backward`` on the emitted refs, its ``emit_grads``, the encoder's backward on those. Between one call's
 end on a worker and the next one's start on another, the runtime pays: the result back to the driver, the
 driver's ``Pending.get`` / ``wait_tensors`` over every rank's ref, the next call's submission per rank with the
-refs as arguments, their resolution on the receiving workers. A no-op call's round trip from an idle driver
-(``calibrate.measure_runtime``'s first figure) is a fraction of that: on the 2-core CPU machine, 0.46 ms against
-2-4 ms between the spans of a real collocated step's trace (2026-12-06).
+refs as arguments, their resolution on the receiving workers. A no-op actor call's round trip from an idle
+driver is a fraction of that: on the 2-core CPU machine, 0.46 ms against 2-4 ms between the spans of a real
+collocated step's trace (2026-12-06).
 
 ``measure_hop`` times that chain as the backend runs it: two ``WorkerGroup`` s of ``ranks`` actors each (the
 runtime's class, dispatch and data plane), a call on the first and its ``emit`` submitted together, then the
 second group's call on the emitted refs, then back. The hop is the time from the producing group's last rank's end
 to the consuming group's last rank's start, as the workers' own clocks (``time.time()``, one clock per machine)
 stamp them; its median over the chain's hops is the profile's ``actor_call_s``, what the step replay
-(``dhp.plan.schedule``) charges per call: half on its submission, half on its result.
+(``dhp.plan.schedule``) charges per call: half on its submission, half on its result. ``calibrate`` also times it
+with every core of a CPU host busy (``busy_call_s``): there the driver competes for the cores with the workers.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ HOP_BYTES = 2**16  # a router piece of the demo's size (a few hundred rows of em
 HOP_CPUS = 0.01  # what each actor reserves: it only stamps the time, and must fit beside whatever Ray already runs
 
 
+def _elements(nbytes: int) -> int:
+    """float32 elements of a piece of ``nbytes`` (at least one)."""
+    return max(1, nbytes // torch.float32.itemsize)
+
+
 class HopWorker(WorkerBase):
     """A worker whose calls do nothing but stamp their start and end."""
 
@@ -45,7 +51,7 @@ class HopWorker(WorkerBase):
     @produces_tensors
     def emit(self, nbytes: int) -> dict[int, torch.Tensor]:
         """This rank's piece for the other group (the router's ``emit``), by the group's data plane."""
-        return {self.rank: torch.ones(max(1, nbytes // 4))}
+        return {self.rank: torch.ones(_elements(nbytes))}
 
 
 def measure_hop(ranks: int = 2, reps: int = 15, nbytes: int = HOP_BYTES, worker_cls: type = HopWorker) -> float:
@@ -67,7 +73,7 @@ def measure_hop(ranks: int = 2, reps: int = 15, nbytes: int = HOP_BYTES, worker_
             call = group.work.submit(*pieces)  # on the other group's refs; its emit submitted with it, as run_step
             emitted = [group.submit_rank(r, "emit", nbytes) for r in range(group.n_ranks)] if nbytes else []
             stamps = call.get()
-            if any(st["received"] != len(pieces) * max(1, nbytes // 4) for st in stamps):
+            if any(st["received"] != len(pieces) * _elements(nbytes) for st in stamps):
                 raise RuntimeError(f"measure_hop: ranks received {[st['received'] for st in stamps]} elements, "
                                    f"not the {len(pieces)} pieces of {nbytes} bytes emitted to them")
             if emitted:

@@ -506,8 +506,10 @@ def replay_row(row: Row, costs: dict[str, GroupCost], pricing: Pricing, gpus: in
     script = driver_script(len(plan.rounds), encoders, language, plan.window, ahead, data_plane=data_plane(row),
                            loads=loads)
     call_s = max(pricing.of(k).actor_call_s for k in jobs)
+    busy_call_s = max(pricing.of(k).busy_call_s for k in jobs)
     return steady_replay(script, lanes, pools, work, call_s, waits,
-                         lambda c: compute(c) + work(c) - priced(c))  # (a load is all compute)
+                         lambda c: compute(c) + work(c) - priced(c),  # (a load is all compute)
+                         busy_call_s, "host" if "host" in pools else None)  # the driver runs on a CPU host's cores
 
 
 def evaluate(row: Row, results: dict[GroupJob, GroupResult], dev: Device, gpus: int, limit_gb: float,

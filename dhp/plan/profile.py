@@ -137,6 +137,7 @@ class Profile:
     cores: int = 0  # a CPU profile: the host's cores, and the threads each measurement ran on
     threads: int = 0
     actor_call_s: float = 0.0  # the runtime's hop: one group's call ending to the next's starting (``plan.hop``)
+    busy_call_s: float = 0.0  # the same hop with every core of a CPU host busy (0: not measured, ``actor_call_s``)
     object_store: CollectiveFit | None = None  # a tensor through Ray's object store, worker to worker
     contention_wait_s: float = 0.0  # a collective call's wait beyond processor sharing on an oversubscribed host
     contention_ratio: float = 0.0  # ... measured at this many processes per core (0: not measured)

@@ -21,8 +21,10 @@ same ``schedule_turns``, so the planner prices the order the runtime runs and th
 * on a host pool, compute slows as the pool fills (shared caches and memory bandwidth): a call's compute seconds
   take ``Lane.busy_slowdown`` (``Profile.busy_slowdown``, measured with every core busy) times longer on a full
   pool, in proportion between one running process and a full pool (``run_rate``);
-* every call pays the runtime's round trip (``call_s``: an actor call's submission to its start, half, and its
-  result back to the driver, the other half); the driver is sequential, as the backend's loop is;
+* every call pays the runtime's hop (``call_s``: an actor call's submission to its start, half, and its result
+  back to the driver, the other half); the driver is sequential, as the backend's loop is; where its process
+  shares a pool with the calls (``driver_pool``, a CPU host), its hop grows as the calls running there fill the
+  pool, to ``busy_call_s`` on a full one (``pool_fill``, as compute slows);
 * with ``loads`` the loaders run too: each group's ranks decode their samples in background threads (a lane of
   their own, ``loader_lane``, on the pool the loaders' CPUs are in), a round as the backend prefetches it (the
   round after next at each encode turn; the next step's first two rounds once the step's last round is
@@ -176,23 +178,34 @@ def _needs(c: Call, runs: dict[Call, _Run]) -> _Run | None:
 
 def replay(script: list[Action], lanes: dict[str, Lane], pools: dict[str, float],
            work: Callable[[Call], float], call_s: float = 0.0,
-           waits: Callable[[Call], float] | None = None, compute: Callable[[Call], float] | None = None) -> Replay:
+           waits: Callable[[Call], float] | None = None, compute: Callable[[Call], float] | None = None,
+           busy_call_s: float = 0.0, driver_pool: str | None = None) -> Replay:
     """Run ``script`` (``driver_script``) with each call taking ``work(call)`` seconds at its lane's full rate;
-    ``pools``: capacity per pool name; ``call_s``: an actor call's round trip; ``waits(call)``: its peer waits
+    ``pools``: capacity per pool name; ``call_s``: the runtime's hop between calls; ``waits(call)``: its peer waits
     (priced on an oversubscribed pool only); ``compute(call)``: its compute seconds (slowed on a full pool; default
-    none); see the module docstring. ``lanes``: per group, and per group's loaders (``loader_lane``) where the
-    script loads."""
+    none); ``busy_call_s``, ``driver_pool``: the hop on a full pool, and the pool the driver's process shares (a CPU
+    host's: its hops grow towards ``busy_call_s`` as the calls running there fill it); see the module docstring.
+    ``lanes``: per group, and per group's loaders (``loader_lane``) where the script loads."""
     queues: dict[str, list[_Run]] = {g: [] for g in lanes}
     runs: dict[Call, _Run] = {}
     now, driver, last_seen = 0.0, 0.0, None
     pc = 0
+
+    def hop(t: float) -> float:
+        """The driver's hop at time ``t``: ``call_s``, up to ``busy_call_s`` on a full ``driver_pool``."""
+        if driver_pool is None or busy_call_s <= call_s:
+            return call_s
+        demand = sum(lanes[r.call.lane].demand for r in runs.values() if lanes[r.call.lane].pool == driver_pool
+                     and 0.0 <= r.start <= t and (r.end < 0 or r.end > t))
+        return call_s + (busy_call_s - call_s) * pool_fill(pools[driver_pool], demand)
+
     while True:
         # the driver runs until it must wait for a call that has not ended
         while pc < len(script):
             act = script[pc]
             if act.op == "submit":
                 for c in act.calls:
-                    r = _Run(c, driver + call_s / 2, max(0.0, work(c)), after=last_seen,
+                    r = _Run(c, driver + hop(driver) / 2, max(0.0, work(c)), after=last_seen,
                              waits=max(0.0, waits(c)) if waits else 0.0,
                              compute=max(0.0, compute(c)) if compute else 0.0, needs=_needs(c, runs))
                     r.left = r.work
@@ -204,7 +217,7 @@ def replay(script: list[Action], lanes: dict[str, Lane], pools: dict[str, float]
             if any(r.end < 0 for r in pending):
                 break
             last = max(pending, key=lambda r: r.end)
-            driver = max(driver, last.end + call_s / 2)
+            driver = max(driver, last.end + hop(last.end) / 2)
             last_seen = last.call
             pc += 1
         if pc >= len(script):
@@ -226,14 +239,16 @@ def replay(script: list[Action], lanes: dict[str, Lane], pools: dict[str, float]
 
 def steady_replay(script: list[Action], lanes: dict[str, Lane], pools: dict[str, float],
                   work: Callable[[Call], float], call_s: float = 0.0, waits: Callable[[Call], float] | None = None,
-                  compute: Callable[[Call], float] | None = None) -> Replay:
+                  compute: Callable[[Call], float] | None = None, busy_call_s: float = 0.0,
+                  driver_pool: str | None = None) -> Replay:
     """``replay`` of a step among others: its carried loads (``driver_script(loads=True)``) are what the same
     step left of its ``next`` loads at its end (a first replay with none carried finds it)."""
-    first = replay(script, lanes, pools, lambda c: 0.0 if c.source == "carried" else work(c), call_s, waits, compute)
+    first = replay(script, lanes, pools, lambda c: 0.0 if c.source == "carried" else work(c), call_s, waits, compute,
+                   busy_call_s, driver_pool)
     carried = {(c.group, c.round): left for c, left in first.left.items() if c.source == "next"}
     return replay(script, lanes, pools,
                   lambda c: carried.get((c.group, c.round), 0.0) if c.source == "carried" else work(c),
-                  call_s, waits, compute)
+                  call_s, waits, compute, busy_call_s, driver_pool)
 
 
 def _advance(queues: dict[str, list[_Run]], lanes: dict[str, Lane], pools: dict[str, float], now: float,

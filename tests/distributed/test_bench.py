@@ -38,7 +38,8 @@ def vision_comm_closed_form(patches: int, params: int, model_cfg, sp: int, tp: i
 
 def test_bench_three_layouts(ray_cluster, demo_overrides, tmp_path):
     prof = calibrate("cpu", quick=True, threads=1)  # with Ray's costs, measured in the session's Ray
-    assert prof.actor_call_s > 0 and prof.object_store is not None and prof.object_store.beta_bytes_per_s > 0
+    assert prof.actor_call_s > 0 and prof.busy_call_s > 0  # the hop alone and on the busy host
+    assert prof.object_store is not None and prof.object_store.beta_bytes_per_s > 0
     prof.save(tmp_path / "cpu.json")
     rc = main(["bench", *demo_overrides, "runtime.cpus_per_worker=0.5", "output.trace_steps=1", "--layouts",
                "dhp,uniform_tp,fsdp", "--steps", "2", "--warmup", "1", "--workers", "4",

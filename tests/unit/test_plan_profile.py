@@ -187,7 +187,7 @@ def test_calibrate_on_cpu_writes_a_profile_that_plan_reads(tmp_path: Any, capsys
     assert all(f.alpha_s >= 0 and f.beta_bytes_per_s > 0 for f in p.collectives) and p.router is not None
     assert p.cpu_op_s > 0 and p.hbm_bytes_per_s > 0 and p.dtensor_op_s > 0 and p.busy_slowdown >= 1.0
     assert p.fsdp_call_s >= 0 and p.tp_call_s >= 0  # (in-situ residuals: tests/unit/test_plan_accuracy.py)
-    assert p.actor_call_s == 0 and p.object_store is None
+    assert p.actor_call_s == 0 and p.busy_call_s == 0 and p.object_store is None
 
 
 def test_published_setting_is_the_published_experiment() -> None:

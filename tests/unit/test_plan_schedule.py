@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from dhp.plan.schedule import Call, Lane, driver_script, loader_lane, pool_fill, replay, steady_replay
+from dhp.plan.schedule import Action, Call, Lane, driver_script, loader_lane, pool_fill, replay, steady_replay
 
 WORK = {"forward": 1.0, "backward": 2.0, "forward_backward": 3.0}
 
@@ -146,3 +146,27 @@ def test_compute_slows_as_a_host_pool_fills() -> None:
     assert replay(script, lanes(2), pools, work).step_s == pytest.approx(6.0)  # no compute given: none slowed
     assert [pool_fill(2.0, d) for d in (0.5, 1.0, 1.5, 2.0, 4.0)] == [0.0, 0.0, 0.5, 1.0, 1.0]
     assert pool_fill(1.0, 3.0) == 0.0
+
+
+def test_the_drivers_hop_grows_as_the_host_it_shares_fills() -> None:
+    """A (10 s) on a host lane of 2 ranks filling the driver's 2-core host; B then C (1 s each) on a pool of their
+    own, one after the other through the driver. Hop 0.2 s alone, 1.0 s on the full host: A and B start at 0.1,
+    B ends at 1.1 while A runs, so the driver sees it at 1.6 and C starts at 2.1 (1.3 with the idle hop); the
+    driver sees A's end at 10.2, the host idle again. Without a driver pool (a GPU run) every hop is 0.2 s."""
+    a, b, c = Call("x", "forward", 0), Call("y", "forward", 0), Call("y", "forward", 1)
+    script = [Action("submit", (a,)), Action("submit", (b,)), Action("wait", (b,)), Action("submit", (c,)),
+              Action("wait", (c,)), Action("wait", (a,))]
+    lanes, pools = {"x": Lane("host", 2.0), "y": Lane("gpu")}, {"host": 2.0, "gpu": 1.0}
+    secs = {a: 10.0, b: 1.0, c: 1.0}
+    rep = replay(script, lanes, pools, secs.__getitem__, call_s=0.2, busy_call_s=1.0, driver_pool="host")
+    starts = {call: (s, e) for call, s, e in rep.spans}
+    assert starts[a] == pytest.approx((0.1, 10.1))
+    assert starts[b] == pytest.approx((0.1, 1.1))
+    assert starts[c] == pytest.approx((2.1, 3.1))
+    assert rep.step_s == pytest.approx(10.2)
+    plain = replay(script, lanes, pools, secs.__getitem__, call_s=0.2, busy_call_s=1.0)
+    assert {call: s for call, s, _ in plain.spans}[c] == pytest.approx(1.3)
+    # half full (a lane of 1.5 ranks on 2 cores: pool_fill 0.5): the hop is 0.6 s while A runs
+    half = replay(script, {**lanes, "x": Lane("host", 1.5)}, pools, secs.__getitem__, call_s=0.2, busy_call_s=1.0,
+                  driver_pool="host")
+    assert {call: s for call, s, _ in half.spans}[c] == pytest.approx(1.1 + 0.6)
