@@ -540,13 +540,16 @@ def _contention_worker(rank: int, world: int, port: int, iters: int, out: str, p
     dist.destroy_process_group()
 
 
-def _busy(parent: int) -> None:
-    """A one-thread process computing until it is killed (a neighbour worker on the host)."""
+def _busy(parent: int, ready: Any) -> None:
+    """A one-thread process computing until it is killed (a neighbour worker on the host); ``ready`` (an event)
+    is set once it computes."""
     from dhp.lifetime import exit_with_parent
 
     exit_with_parent(parent)
     torch.set_num_threads(1)
     a = torch.randn(CONTENTION_GEMM, CONTENTION_GEMM)
+    a @ a
+    ready.set()
     while True:
         a @ a
 
@@ -574,15 +577,19 @@ def measure_contention(cores: int, iters: int = CONTENTION_ITERS) -> tuple[float
 
 @contextlib.contextmanager
 def busy_host(processes: int) -> Iterator[None]:
-    """``processes`` one-thread processes computing (``_busy``) while the block runs: a host whose cores are
-    taken, as a CPU run's workers take them."""
+    """``processes`` one-thread processes computing (``_busy``) while the block runs, which starts once they all
+    compute: a host whose cores are taken, as a CPU run's workers take them."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    busy = [ctx.Process(target=_busy, args=(os.getpid(),), daemon=True) for _ in range(processes)]
+    ready = [ctx.Event() for _ in range(processes)]
+    busy = [ctx.Process(target=_busy, args=(os.getpid(), r), daemon=True) for r in ready]
     for p in busy:
         p.start()
     try:
+        for r in ready:
+            if not r.wait(timeout=120):
+                raise RuntimeError("dhp plan calibrate: a busy process did not start within 120 s")
         yield
     finally:
         for p in busy:
@@ -714,11 +721,8 @@ def measure_runtime(sizes: list[int], reps: int = 15, busy_cores: int = 0) -> tu
                   for n in sizes]
         for actor in (a, b):
             ray.kill(actor)
-        hop = measure_hop(2, reps, nbytes=0)
-        busy_hop = 0.0
-        if busy_cores:  # the same with every core taken, as a CPU run's workers take them while the driver hops
-            with busy_host(busy_cores):
-                busy_hop = measure_hop(2, reps, nbytes=0)
+        # the hop alone, and with every core taken, as a CPU run's workers take them while the driver hops
+        hop, busy_hop = measure_hop(2, reps, nbytes=0, beside=(lambda: busy_host(busy_cores)) if busy_cores else None)
     finally:
         if started:
             ray.shutdown()

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -54,9 +56,12 @@ class HopWorker(WorkerBase):
         return {self.rank: torch.ones(_elements(nbytes))}
 
 
-def measure_hop(ranks: int = 2, reps: int = 15, nbytes: int = HOP_BYTES, worker_cls: type = HopWorker) -> float:
-    """The median seconds from one group's call ending to the next group's call starting on its refs (``nbytes``
-    a rank; 0: none), through the runtime's ``WorkerGroup`` calls (see the module docstring); Ray must be up."""
+def measure_hop(ranks: int = 2, reps: int = 15, nbytes: int = HOP_BYTES, worker_cls: type = HopWorker,
+                beside: Callable[[], AbstractContextManager] | None = None) -> tuple[float, float]:
+    """(the median seconds from one group's call ending to the next group's call starting on its refs, ``nbytes``
+    a rank, 0: none, through the runtime's ``WorkerGroup`` calls (see the module docstring); the same inside
+    ``beside()``, a context entered once the groups are up, e.g. other processes loading the host; 0.0 without
+    one). Ray must be up."""
     import ray
 
     from dhp.runtime.placement import ActorResources
@@ -65,24 +70,34 @@ def measure_hop(ranks: int = 2, reps: int = 15, nbytes: int = HOP_BYTES, worker_
     groups = [WorkerGroup(worker_cls, name, ranks, None, resources=ActorResources(HOP_CPUS, 0.0))
               for name in ("producer", "consumer")]
     try:
-        hops: list[float] = []
-        pieces: list[Any] = []  # the refs the previous call's group emitted
-        last_end = 0.0
-        for i in range(reps + 2):  # the groups' first calls warm their actors' code paths
-            group = groups[i % 2]
-            call = group.work.submit(*pieces)  # on the other group's refs; its emit submitted with it, as run_step
-            emitted = [group.submit_rank(r, "emit", nbytes) for r in range(group.n_ranks)] if nbytes else []
-            stamps = call.get()
-            if any(st["received"] != len(pieces) * _elements(nbytes) for st in stamps):
-                raise RuntimeError(f"measure_hop: ranks received {[st['received'] for st in stamps]} elements, "
-                                   f"not the {len(pieces)} pieces of {nbytes} bytes emitted to them")
-            if emitted:
-                group.wait_tensors("emit", emitted, list(range(group.n_ranks)))
-            if i >= 2:
-                hops.append(max(st["start"] for st in stamps) - last_end)
-            last_end, pieces = max(st["end"] for st in stamps), emitted
-        return max(0.0, statistics.median(hops))
+        alone = _median_hop(groups, reps, nbytes)
+        if beside is None:
+            return alone, 0.0
+        with beside():
+            return alone, _median_hop(groups, reps, nbytes)
     finally:
         for g in groups:
             for a in g.actors:
                 ray.kill(a)
+
+
+def _median_hop(groups: list[Any], reps: int, nbytes: int) -> float:
+    """``reps`` hops of the chain between the two groups (each call on the refs the other emitted last), after
+    one call of each; their median."""
+    hops: list[float] = []
+    pieces: list[Any] = []  # the refs the previous call's group emitted
+    last_end = 0.0
+    for i in range(reps + 2):  # the groups' first calls warm their actors' code paths
+        group = groups[i % 2]
+        call = group.work.submit(*pieces)  # on the other group's refs; its emit submitted with it, as run_step
+        emitted = [group.submit_rank(r, "emit", nbytes) for r in range(group.n_ranks)] if nbytes else []
+        stamps = call.get()
+        if any(st["received"] != len(pieces) * _elements(nbytes) for st in stamps):
+            raise RuntimeError(f"measure_hop: ranks received {[st['received'] for st in stamps]} elements, "
+                               f"not the {len(pieces)} pieces of {nbytes} bytes emitted to them")
+        if emitted:
+            group.wait_tensors("emit", emitted, list(range(group.n_ranks)))
+        if i >= 2:
+            hops.append(max(st["start"] for st in stamps) - last_end)
+        last_end, pieces = max(st["end"] for st in stamps), emitted
+    return max(0.0, statistics.median(hops))
