@@ -319,23 +319,31 @@ def _tp_stack(world: int, reps: int) -> dict[str, Any]:
     row-parallel: ``parallelize_module``'s plans, as a TP language model's MLP) against the stack at the local
     shards' widths, unsharded; its DTensor collectives (functional) and the DTensor ops the tally counts."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from dhp.parallel.comm import CommCounter
     from dhp.plan.ops import OpTally, merged
 
-    mesh = init_device_mesh("cpu", (world,))
-    local, sharded = _stack(STACK_UNITS, STACK_WIDTH, 4 * STACK_WIDTH // world), _stack(
-        STACK_UNITS, STACK_WIDTH, 4 * STACK_WIDTH)
-    for unit in sharded:
-        parallelize_module(unit, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
-    x = torch.randn(STACK_TOKENS, STACK_WIDTH, requires_grad=True)
-    sharded(x).sum().backward()  # the sharding propagation's caches filled: count what a later step dispatches
-    with CommCounter() as counter, OpTally() as tally:
+    local = _stack(STACK_UNITS, STACK_WIDTH, 4 * STACK_WIDTH // world)
+    sharded, x = _tp_parallel_stack(init_device_mesh("cpu", (world,)), 4 * STACK_WIDTH)
+    with CommCounter() as counter, OpTally() as tally:  # what a step dispatches once the caches are filled
         sharded(x).sum().backward()
     return {"sharded_s": _step_s(sharded, x, reps), "plain_s": _step_s(local, x, reps),
             "bytes": dict(counter.bytes), "calls": dict(counter.calls),
             "dtensor_ops": merged(tally.tally()).get("dtensor_ops", 0), "path": FUNCTIONAL}
+
+
+def _tp_parallel_stack(mesh: Any, inner: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """``_stack`` of MLP width ``inner`` with its up projections column-parallel and its down projections
+    row-parallel on ``mesh`` (``parallelize_module``'s plans, as a TP language model's MLP), and an input; one
+    step already run, so DTensor's sharding propagation caches hold its shapes."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    sharded = _stack(STACK_UNITS, STACK_WIDTH, inner)
+    for unit in sharded:
+        parallelize_module(unit, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
+    x = torch.randn(STACK_TOKENS, STACK_WIDTH, requires_grad=True)
+    sharded(x).sum().backward()
+    return sharded, x
 
 
 def _dtensor_worker(rank: int, world: int, port: int, tp: int, reps: int, out: str, parent: int) -> None:
@@ -346,7 +354,6 @@ def _dtensor_worker(rank: int, world: int, port: int, tp: int, reps: int, out: s
     than the dispatch costs)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from dhp.lifetime import exit_with_parent
     from dhp.plan.ops import OpTally, merged
@@ -354,12 +361,8 @@ def _dtensor_worker(rank: int, world: int, port: int, tp: int, reps: int, out: s
     exit_with_parent(parent)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-    local, sharded = (_stack(STACK_UNITS, STACK_WIDTH, 4 * STACK_WIDTH // tp) for _ in range(2))
-    for unit in sharded:
-        parallelize_module(unit, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
-    x = torch.randn(STACK_TOKENS, STACK_WIDTH, requires_grad=True)
-    sharded(x).sum().backward()  # the sharding propagation's caches filled
+    local = _stack(STACK_UNITS, STACK_WIDTH, 4 * STACK_WIDTH // tp)
+    sharded, x = _tp_parallel_stack(init_device_mesh("cpu", (world,)), 4 * STACK_WIDTH // tp)
     with OpTally() as tally:
         sharded(x).sum().backward()
     Path(out).write_text(json.dumps({"sharded_s": timed(lambda: sharded(x).sum().backward(), reps=reps),
