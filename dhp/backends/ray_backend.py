@@ -28,8 +28,15 @@ driver holds ObjectRefs; tensors go worker to worker.
 
 The driver hands a tensor ref on only once the call that made it has finished
 (``WorkerGroup.wait_tensors``): each round it waits for the round's encoder
-forwards, then for the text step, before submitting what consumes their
-tensors. A failed producer is reported at once, by module and rank.
+forwards, then (object-store router) for the text step, before submitting what
+consumes their tensors. A failed producer is reported at once, by module and rank.
+On the p2p data plane the tensors travel inside the calls, so the driver submits
+a round's text step and encoder backwards together and takes the losses at the
+step's end: the text group starts its next round as soon as it ends the last one,
+not a driver round trip later. Its waits on encoder calls watch the text rounds
+(``get_watching``): a failed text round raises at once, rather than leaving the
+driver waiting on an encoder call queued behind a backward that will never
+receive its gradients.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from dhp.data.sampler import Round, StepPlan, schedule_turns
 from dhp.engine import encoder_trains
 from dhp.inputs import DatasetSpec, EngineInit, RunInputs
 from dhp.models.spec import Family
-from dhp.runtime import Broadcast, GroupSpec, LayoutError, Runtime, WorkerGroup
+from dhp.runtime import Broadcast, GroupSpec, LayoutError, Pending, Runtime, WorkerGroup, get_watching
 from dhp.runtime.data_plane import Incoming
 from dhp.runtime.mesh import ModuleLayout
 from dhp.runtime.placement import GroupResources, lost_nodes
@@ -240,7 +247,7 @@ class RayBackend:
         rounds = plan.rounds
         forwards: list[dict[str, Any]] = []  # [round] -> encoder -> Pending forward
         pieces: list[list[list[Emitted]]] = []  # [round][text replica] -> the pieces it needs, from every encoder
-        losses: list[list[tuple[float, int]]] = []  # [round] -> per text replica (head)
+        texts: list[Pending] = []  # [round] -> the text group's forward_backward: its losses, per replica (head)
         backwards: list[tuple[str, list[Any]]] = []  # encoder backward refs, to surface errors
         p2p = self.data_plane == "p2p"
         for turn in schedule_turns(len(rounds), plan.window, self.ahead):  # the schedule, as data
@@ -254,7 +261,8 @@ class RayBackend:
                 pieces.append([] if p2p else self._pieces_for(j, rounds[j]))
                 continue
             k = turn.round
-            metas = {e: forwards[k][e].get() for e in self.encoders}  # a failed forward is the root cause
+            # a failed forward is the root cause; a failed text round too, whose backward an encoder waits in
+            metas = {e: get_watching(forwards[k][e], texts) for e in self.encoders}
             if p2p:  # what each text rank receives from which encoder rank: host metadata, no tensors
                 pieces[k] = self._incoming(rounds[k], metas)
             else:
@@ -264,7 +272,9 @@ class RayBackend:
                 self.text.submit("arm_gradient_reduction")
             text_refs = self._submit_text(k, rounds[k], pieces[k])
             grads = {e: self._grads_for(k, rounds[k], e) for e in self.encoders if self.trains[e] and not p2p}
-            losses.append(self.text.pending("forward_backward", text_refs).get())
+            texts.append(self.text.pending("forward_backward", text_refs))
+            if not p2p:  # the router's gradients are the text step's output: the driver waits for them anyway
+                texts[-1].get()
             for e in self.encoders:
                 if last and self.trains[e]:
                     self.group(e).submit("arm_gradient_reduction")
@@ -276,6 +286,7 @@ class RayBackend:
         if upcoming is not None:  # the loaders decode the next step's first rounds behind this step's last calls
             for n in (0, 1):
                 self._prefetch(n, upcoming.rounds)
+        losses: list[list[tuple[float, int]]] = [t.get() for t in texts]  # [round] -> per text replica (head)
         for e, refs in backwards:
             self.group(e).get("backward", refs)
         loss_sum = sum(loss for per_round in losses for loss, _ in per_round)

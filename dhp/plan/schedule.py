@@ -25,10 +25,14 @@ same ``schedule_turns``, so the planner prices the order the runtime runs and th
   back to the driver, the other half); the driver is sequential, as the backend's loop is; where its process
   shares a pool with the calls (``driver_pool``, a CPU host), its hop grows as the calls running there fill the
   pool, to ``busy_call_s`` on a full one (``pool_fill``, as compute slows);
+* on the p2p data plane the tensors travel inside the calls: the driver submits a round's text step and its
+  encoder backwards together and takes the losses at the step's end, and a backward, which receives its
+  gradients inside the call, computes once its round's text step has ended (``_Run.inputs``);
 * with ``loads`` the loaders run too: each group's ranks decode their samples in background threads (a lane of
   their own, ``loader_lane``, on the pool the loaders' CPUs are in), a round as the backend prefetches it (the
   round after next at each encode turn; the next step's first two rounds once the step's last round is
-  submitted), and a round's forward waits for its samples: ``Replay.data_wait_s``. The step's own first two
+  submitted; the prefetch being a call on the group's actors, a load starts once the group's calls submitted
+  before it have run), and a round's forward waits for its samples: ``Replay.data_wait_s``. The step's own first two
   rounds were started during the step before, so the replay begins with what of them was left then
   (``Call.source == "carried"``; ``steady_replay`` finds it: the loads left at a step's end are the next step's).
 
@@ -96,7 +100,7 @@ def driver_script(n_rounds: int, encoders: Sequence[str], language: str, window:
             submit(*calls)
 
     load((0, 1), "carried")  # started in the step before (the backend's prefetch of rounds 0 and 1 finds them)
-    backwards = []
+    backwards, texts = [], []
     for turn in schedule_turns(n_rounds, window, ahead):
         j = turn.round
         if turn.kind == "encode":
@@ -113,7 +117,9 @@ def driver_script(n_rounds: int, encoders: Sequence[str], language: str, window:
         grads = [Call(language, "emit_grads", j, e) for e in encoders if trains[e]] if ray else []
         if grads:
             submit(*grads)
-        wait(Call(language, "forward_backward", j))  # the round's losses
+        if ray:  # the round's losses; on p2p the driver takes them all at the step's end
+            wait(Call(language, "forward_backward", j))
+        texts.append(Call(language, "forward_backward", j))
         for e in encoders:
             if not trains[e]:
                 continue
@@ -122,6 +128,8 @@ def driver_script(n_rounds: int, encoders: Sequence[str], language: str, window:
             submit(Call(e, "backward", j))
             backwards.append(Call(e, "backward", j))
     load((0, 1), "next")  # the next step's first rounds, behind this step's last calls
+    if texts and not ray:
+        wait(*texts)
     if backwards:
         wait(*backwards)
     for kind in FINAL:
@@ -167,6 +175,9 @@ class _Run:
     compute: float = 0.0  # the part of ``work`` that is compute (slowed on a full pool)
     needs: _Run | None = None  # the load of its samples (a forward's), which must end before it starts
     data_wait: float = 0.0  # how long ``needs`` held its start
+    inputs: _Run | None = None  # a call that must end before it starts: the one whose output it receives inside
+    # itself (an encoder's backward, the text step's gradients: submitted together on the p2p plane), or, for a
+    # load, its group's call submitted before it (the prefetch is an actor call, run in submission order)
 
 
 def _needs(c: Call, runs: dict[Call, _Run]) -> _Run | None:
@@ -174,6 +185,17 @@ def _needs(c: Call, runs: dict[Call, _Run]) -> _Run | None:
     if c.kind not in ("forward", "forward_backward"):
         return None
     return runs.get(Call(c.group, "load", c.round, "carried")) or runs.get(Call(c.group, "load", c.round))
+
+
+def _inputs(c: Call, runs: dict[Call, _Run], queues: dict[str, list[_Run]]) -> _Run | None:
+    """The call ``c`` cannot start before: an encoder backward's, the text step of its round (whose gradients it
+    receives inside itself); a load's, its group's last call (the backend's ``prefetch`` is a call on the group's
+    actors, behind the calls submitted before it; the loads carried from the step before had started)."""
+    if c.kind == "backward":
+        return next((r for k, r in runs.items() if k.kind == "forward_backward" and k.round == c.round), None)
+    if c.kind == "load" and c.source != "carried" and queues.get(c.group):
+        return queues[c.group][-1]
+    return None
 
 
 def replay(script: list[Action], lanes: dict[str, Lane], pools: dict[str, float],
@@ -207,7 +229,8 @@ def replay(script: list[Action], lanes: dict[str, Lane], pools: dict[str, float]
                 for c in act.calls:
                     r = _Run(c, driver + hop(driver) / 2, max(0.0, work(c)), after=last_seen,
                              waits=max(0.0, waits(c)) if waits else 0.0,
-                             compute=max(0.0, compute(c)) if compute else 0.0, needs=_needs(c, runs))
+                             compute=max(0.0, compute(c)) if compute else 0.0, needs=_needs(c, runs),
+                             inputs=_inputs(c, runs, queues))
                     r.left = r.work
                     runs[c] = r
                     queues[c.lane].append(r)
@@ -263,12 +286,14 @@ def _advance(queues: dict[str, list[_Run]], lanes: dict[str, Lane], pools: dict[
                 continue
             if head.start < 0:
                 prev = q[q.index(head) - 1] if q.index(head) else None
-                if head.ready > now or (head.needs is not None and head.needs.end < 0):
+                if head.ready > now or any(d is not None and d.end < 0 for d in (head.needs, head.inputs)):
                     continue
                 head.start = now
                 free = max(head.ready, prev.end if prev is not None else 0.0)
                 if prev is not None and prev.end >= head.ready:
                     head.after = prev.call
+                if head.inputs is not None and head.inputs.end > free:  # it waited for its gradients, or its actor
+                    free, head.after = head.inputs.end, head.inputs.call
                 if head.needs is not None and head.needs.end > free:  # it waited for its samples
                     head.data_wait, head.after = head.needs.end - free, head.needs.call
             running[g] = head

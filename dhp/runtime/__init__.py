@@ -13,7 +13,7 @@ worker side), ``worker_group`` and ``binding`` (the driver side of one module),
 gradients between groups: point to point, CUDA IPC), ``runtime`` (the lifecycle).
 """
 
-from dhp.runtime.binding import BoundMethod, Pending
+from dhp.runtime.binding import BoundMethod, Pending, get_watching
 from dhp.runtime.cluster import choose_backend, resolve_transport, start_ray
 from dhp.runtime.dispatch import Broadcast, Collect, DispatchError, Mode, Split, dispatch, produces_tensors
 from dhp.runtime.errors import WorkerError
@@ -47,6 +47,7 @@ __all__ = [
     "WorkerBase",
     "WorkerError",
     "WorkerGroup",
+    "get_watching",
     "choose_backend",
     "create_placement_group",
     "create_placement_groups",

@@ -10,7 +10,7 @@ failures) and this file the calling convention.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import ray
@@ -59,8 +59,32 @@ class Pending:
             return results
         return collect(self.spec, results, self.group.replica_size)
 
+    def check(self, ref: ray.ObjectRef) -> None:
+        """Raises ``WorkerError`` if the finished call behind ``ref`` (one of this call's ranks) failed."""
+        self.group.get(self.method, [ref], ranks=[self.ranks[self.refs.index(ref)]])
+
     def __repr__(self) -> str:
         return f"Pending({self.group.module}.{self.method}, ranks={self.ranks})"
+
+
+def get_watching(target: Pending, watched: Iterable[Pending]) -> Any:
+    """``target.get()``, raising at once the failure of any ``watched`` call that fails first.
+
+    The driver submits some calls before it takes their results (the text group's next round before its
+    last round's losses: ``RayBackend.run_step``). A call queued behind one that waits for a failed call's
+    output never answers, so a wait on it alone would hang; this wait ends with that failure instead. A
+    watched rank's failure raises as soon as it ends, before its peers (which may wait in a collective for it).
+    """
+    owner = {ref: p for p in watched for ref in p.refs}
+    waiting = set(target.refs)
+    unready = [*target.refs, *owner]
+    while waiting:
+        ready, unready = ray.wait(unready, num_returns=1)
+        for ref in ready:
+            if ref in owner:
+                owner[ref].check(ref)
+            waiting.discard(ref)
+    return target.get()
 
 
 class BoundMethod:
@@ -89,4 +113,4 @@ class BoundMethod:
                 f"(split {s.split.name}, collect {s.collect.name})>")
 
 
-__all__ = ["BoundMethod", "Pending"]
+__all__ = ["BoundMethod", "Pending", "get_watching"]

@@ -31,6 +31,7 @@ from dhp.runtime import (
     WorkerBase,
     WorkerError,
     dispatch,
+    get_watching,
     plan_placement,
     produces_tensors,
     resolve_transport,
@@ -255,6 +256,28 @@ def test_a_consumer_names_the_producer_whose_failure_it_inherits(ray_cluster: di
         assert (e.value.module, e.value.rank) == ("vision", 0)
         assert str(e.value).startswith("vision rank 0 died while making an input of text rank 0's consume()")
         assert text.call("fail_on", 1) == [0]  # the consumer itself is fine
+
+
+def test_a_wait_that_watches_submitted_calls_ends_with_their_failure(ray_cluster: dict) -> None:
+    """The driver submits a text round before it takes the last one's losses (p2p plane). A failed text round
+    leaves an encoder call queued behind a call that waits for its output forever (a backward in its receive);
+    ``get_watching`` on the queued call raises the text rank's error as soon as it fails, while the failing
+    rank's peer still waits in its collective, and the queued call is still queued. Watched calls that succeed
+    change nothing: the target's value, collected by its method's dispatch."""
+    with Runtime({"vision": _spec(1), "text": _spec(2)}, placement="disaggregated", transport="object_store",
+                 cpus_per_worker=0.5) as rt:
+        vision, text = rt["vision"], rt["text"]
+        fine = text.fail_on.submit(-1)
+        assert get_watching(vision.fail_on.submit(-1), [fine]) == [0]
+        assert fine.get() == [0, 1]
+        failing = text.fail_during_collective.submit(1)  # rank 1 raises, rank 0 waits in its all-reduce
+        vision.submit_rank(0, "produce_slowly", 600.0)  # an encoder backward that never gets its gradients
+        queued = vision.fail_on.submit(-1)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"text rank 1 failed in fail_during_collective"):
+            get_watching(queued, [fine, failing])
+        assert time.monotonic() - start < 60  # not the 600 s the blocked call would take
+        assert ray.wait(queued.refs, timeout=0)[0] == []  # a plain get would have waited on it
 
 
 def test_plans_and_fit_checks_without_actors(ray_cluster: dict) -> None:

@@ -60,11 +60,33 @@ def test_a_shared_pool_splits_its_capacity_between_running_calls() -> None:
 
 
 def test_every_call_pays_the_round_trip() -> None:
-    """One round, ahead 0, round trip c: forward, forward_backward, backward, finish_gradients and step each wait
-    for the one before through the driver: 6 + 5c."""
+    """One round, ahead 0, round trip c. The object-store router: forward, forward_backward, backward,
+    finish_gradients and step each wait for the one before through the driver: 6 + 5c. The p2p plane: the
+    backward is submitted with the text step and receives its gradients inside the call, so it starts as the text
+    step ends, without a hop through the driver: 6 + 4c."""
     c = 0.25
-    rep = replay(driver_script(1, ["vision"], "text"), *own_pools(), work, call_s=c)
+    rep = replay(driver_script(1, ["vision"], "text", data_plane="ray"), *own_pools(), work, call_s=c)
     assert rep.step_s == pytest.approx(6.0 + 5 * c)
+    rep = replay(driver_script(1, ["vision"], "text"), *own_pools(), work, call_s=c)
+    assert rep.step_s == pytest.approx(6.0 + 4 * c)
+    assert spans_of(rep, "vision")[1] == ("backward", 0, 4 + 1.5 * c, 6 + 1.5 * c)
+
+
+def test_on_the_p2p_plane_the_next_text_step_queues_behind_the_last() -> None:
+    """ahead 1, round trip c = 0.25. p2p: F0 [c/2, 1+c/2], F1 behind it; T0 from 1+1.5c to 4+1.5c; T1, submitted
+    once F1's metadata is back (2+c), queues behind T0 and starts as it ends; B0 and B1 start as T0 and T1 end;
+    the step ends two hops after B1 (finish_gradients, step) plus the waits for it: 9 + 4c. The object-store router
+    takes T0's losses and gradients before it submits T1 and B0: each text step waits a hop for the driver."""
+    c = 0.25
+    rep = replay(driver_script(2, ["vision"], "text", ahead=1), *own_pools(), work, call_s=c)
+    (_, _, _, t0_end), (_, _, t1_start, _) = spans_of(rep, "text")
+    assert t1_start == pytest.approx(t0_end) == pytest.approx(4 + 1.5 * c)
+    assert spans_of(rep, "vision")[2:] == [("backward", 0, pytest.approx(4 + 1.5 * c), pytest.approx(6 + 1.5 * c)),
+                                           ("backward", 1, pytest.approx(7 + 1.5 * c), pytest.approx(9 + 1.5 * c))]
+    assert rep.step_s == pytest.approx(9 + 4 * c)
+    ray = replay(driver_script(2, ["vision"], "text", ahead=1, data_plane="ray"), *own_pools(), work, call_s=c)
+    (_, _, _, t0_end), (_, _, t1_start, _) = spans_of(ray, "text")
+    assert t1_start == pytest.approx(t0_end + c)
 
 
 def test_the_ray_data_plane_adds_the_router_calls_in_the_backends_order() -> None:
@@ -95,35 +117,43 @@ def test_a_long_critical_path_is_written_compactly() -> None:
 
 
 def _with_loaders(vision_load: float) -> tuple[dict[str, Lane], dict[str, float], Callable[[Call], float]]:
-    """Own pools for the groups and for their loaders; a vision round loads in ``vision_load`` s, text's at once."""
+    """Own pools for the groups and for their loaders; a vision round loads in ``vision_load`` s, text's at once;
+    the optimizer step takes 2 s."""
     lanes = {"vision": Lane("vision"), "text": Lane("text"), loader_lane("vision"): Lane("vision loads"),
              loader_lane("text"): Lane("text loads")}
     pools = {"vision": 1.0, "text": 1.0, "vision loads": 1.0, "text loads": 1.0}
-    return lanes, pools, lambda c: vision_load if c.kind == "load" and c.group == "vision" else work(c)
+    return lanes, pools, lambda c: (vision_load if c.kind == "load" and c.group == "vision"
+                                    else 2.0 if c.kind == "step" else work(c))
 
 
 def test_the_loaders_run_a_round_ahead_and_a_forward_waits_for_its_samples() -> None:
-    """Loads of 3 s a round, in the background. The step's first two rounds were started at the step before's
-    end: after its last backward's submission (7 s into a step of 9 without loads), so 1 s of round 0 and all of
-    round 1 are left at the end of a step, the next one's carried loads. Then: L0 [0,1], L1 [1,4]; F0 [1,2] (waited
-    1 s), F1 [4,5] (waited 2 s); T0 [2,5], B0 [5,7], T1 [5,8], B1 [8,10]: 10 s; the next step's loads start at 8
-    and again leave 1 + 3 s."""
+    """Loads of 3 s a round, in the background. The step's first two rounds were started at the step before's end:
+    the backend's prefetch is a call on the group's actors, so the vision loaders begin after the last backward
+    (10 s), 2 s before the step ends, leaving 1 s of round 0 and all of round 1 for the next step. Then: L0 [0,1],
+    L1 [1,4]; F0 [1,2] (waited 1 s), F1 [4,5] (waited 2 s); T0 [2,5], T1 [5,8], queued behind T0 (p2p); B0 [5,7],
+    B1 [8,10]; step [10,12]: 12 s; the next step's loads again leave 1 + 3 s."""
     lanes, pools, w = _with_loaders(3.0)
     script = driver_script(2, ["vision"], "text", ahead=1, loads=True)
     first = [(c.group, c.kind, c.round, c.source) for a in script[:1] for c in a.calls]
     assert first == [("vision", "load", 0, "carried"), ("text", "load", 0, "carried"),
                      ("vision", "load", 1, "carried"), ("text", "load", 1, "carried")]
     rep = steady_replay(script, lanes, pools, w)
-    assert rep.step_s == pytest.approx(10.0)
+    assert rep.step_s == pytest.approx(12.0)
     assert spans_of(rep, "vision") == [("forward", 0, 1, 2), ("forward", 1, 4, 5), ("backward", 0, 5, 7),
                                        ("backward", 1, 8, 10)]
+    assert spans_of(rep, "text") == [("forward_backward", 0, 2, 5), ("forward_backward", 1, 5, 8)]
     assert rep.data_wait_s == pytest.approx({"vision": 3.0, "text": 0.0})
     assert rep.loader_s["vision"] == pytest.approx(1 + 3 + 2)  # carried 1 + 3, the next step's first 2 s
     assert {(c.round, c.source): v for c, v in rep.left.items() if c.group == "vision"} == \
         pytest.approx({(0, "next"): 1.0, (1, "next"): 3.0})
+    # within a step: round 3's prefetch, submitted at round 2's encode turn, runs on the vision actors behind the
+    # calls submitted before it, the last being backward 0; the loader lane is free by then
+    four = {c: (s, e) for c, s, e in steady_replay(driver_script(4, ["vision"], "text", ahead=1, loads=True),
+                                                   lanes, pools, w).spans}
+    assert four[Call("vision", "load", 3)][0] == pytest.approx(four[Call("vision", "backward", 0)][1])
     # quick loads: no wait, the step of a run without loaders
     fast = steady_replay(script, *_with_loaders(0.1)[:2], _with_loaders(0.1)[2])
-    assert fast.step_s == pytest.approx(9.0) and fast.data_wait_s["vision"] == 0.0
+    assert fast.step_s == pytest.approx(11.0) and fast.data_wait_s["vision"] == 0.0  # 9 s and the step's 2
     # without ``loads`` the script has no load at all, and the loaders' lanes are not groups
     plain = driver_script(2, ["vision"], "text", ahead=1)
     assert not any(c.kind == "load" for a in plain for c in a.calls)
