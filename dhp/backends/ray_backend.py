@@ -259,6 +259,9 @@ class RayBackend:
                                                                  *([self._targets(e, rounds[j])] if p2p else []))
                                  for e in self.encoders})
                 pieces.append([] if p2p else self._pieces_for(j, rounds[j]))
+                if j == len(rounds) - 1 and upcoming is not None:  # the encoders have all of this step's samples
+                    for n in (0, 1):  # their loaders decode the next step's first rounds behind the last forward
+                        self._prefetch(n, upcoming.rounds, self.encoders)
                 continue
             k = turn.round
             # a failed forward is the root cause; a failed text round too, whose backward an encoder waits in
@@ -283,9 +286,9 @@ class RayBackend:
                 elif e in grads:
                     self._wait_emitted([x for xs in grads[e] for x in xs])
                     backwards.append((e, self._submit_backward(e, k, grads[e])))
-        if upcoming is not None:  # the loaders decode the next step's first rounds behind this step's last calls
+        if upcoming is not None:  # the text loaders: behind its last forward_backward, which takes its samples
             for n in (0, 1):
-                self._prefetch(n, upcoming.rounds)
+                self._prefetch(n, upcoming.rounds, [self.lang])
         losses: list[list[tuple[float, int]]] = [t.get() for t in texts]  # [round] -> per text replica (head)
         for e, refs in backwards:
             self.group(e).get("backward", refs)
@@ -323,12 +326,13 @@ class RayBackend:
                     if shared:
                         yield e, q, list(enc_ids), r, shared
 
-    def _prefetch(self, k: int, rounds: tuple[Round, ...]) -> None:
-        """Let every encoder rank's loader start on round ``k``'s samples (nothing waits on it: a load's error
-        surfaces in the forward that takes the sample)."""
+    def _prefetch(self, k: int, rounds: tuple[Round, ...], modules: list[str] | None = None) -> None:
+        """Let every rank's loader (of ``modules``, default all) start on round ``k``'s samples (nothing waits on
+        it: a load's error surfaces in the call that takes the sample). The prefetch is a call on the ranks'
+        actors: it starts once the calls submitted before it have run."""
         if k >= len(rounds) or self.cfg.data.loader_workers == 0:
             return
-        for m in self.modules:
+        for m in modules or self.modules:
             self.group(m).prefetch.submit(Broadcast(k), list(rounds[k].replicas(m)))
 
     def _global_rank(self, module: str, rank: int) -> int:

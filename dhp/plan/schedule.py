@@ -29,12 +29,13 @@ same ``schedule_turns``, so the planner prices the order the runtime runs and th
   encoder backwards together and takes the losses at the step's end, and a backward, which receives its
   gradients inside the call, computes once its round's text step has ended (``_Run.inputs``);
 * with ``loads`` the loaders run too: each group's ranks decode their samples in background threads (a lane of
-  their own, ``loader_lane``, on the pool the loaders' CPUs are in), a round as the backend prefetches it (the
-  round after next at each encode turn; the next step's first two rounds once the step's last round is
-  submitted; the prefetch being a call on the group's actors, a load starts once the group's calls submitted
-  before it have run), and a round's forward waits for its samples: ``Replay.data_wait_s``. The step's own first two
-  rounds were started during the step before, so the replay begins with what of them was left then
-  (``Call.source == "carried"``; ``steady_replay`` finds it: the loads left at a step's end are the next step's).
+  their own, ``loader_lane``, on the pool the loaders' CPUs are in), a round as the backend prefetches it: the
+  round after next at each encode turn, and the next step's first two rounds once a group has taken its last
+  samples (an encoder's after its last forward, the text's after its last step). The prefetch is a call on the
+  group's actors, so a load starts once the group's calls submitted before it have run. A round's forward waits
+  for its samples: ``Replay.data_wait_s``. The step's own first two rounds were started during the step before,
+  so the replay begins with what of them was left then (``Call.source == "carried"``; ``steady_replay`` finds it:
+  the loads left at a step's end are the next step's).
 
 The result is the step's time, each group's busy and idle time, its wait for data, and the critical path (the chain
 of calls, back from the step's end, each waiting on the one before it).
@@ -94,8 +95,8 @@ def driver_script(n_rounds: int, encoders: Sequence[str], language: str, window:
     def wait(*calls: Call) -> None:
         out.append(Action("wait", calls))
 
-    def load(rounds: Sequence[int], source: str = "") -> None:
-        calls = [Call(g, "load", n, source) for n in rounds if n < n_rounds for g in groups]
+    def load(rounds: Sequence[int], source: str = "", of: Sequence[str] = groups) -> None:
+        calls = [Call(g, "load", n, source) for n in rounds if n < n_rounds for g in of]
         if loads and calls:
             submit(*calls)
 
@@ -109,6 +110,8 @@ def driver_script(n_rounds: int, encoders: Sequence[str], language: str, window:
             submit(*(Call(e, "forward", j) for e in encoders))
             if ray:
                 submit(*(Call(e, "emit", j) for e in encoders))
+            if j == n_rounds - 1:  # the encoders' loaders: the next step's first rounds, behind the last forward
+                load((0, 1), "next", encoders)
             continue
         wait(*(Call(e, "forward", j) for e in encoders))  # the forwards' metadata (p2p), or their refs
         if ray:
@@ -127,7 +130,7 @@ def driver_script(n_rounds: int, encoders: Sequence[str], language: str, window:
                 wait(Call(language, "emit_grads", j, e))
             submit(Call(e, "backward", j))
             backwards.append(Call(e, "backward", j))
-    load((0, 1), "next")  # the next step's first rounds, behind this step's last calls
+    load((0, 1), "next", [language])  # the text loaders', behind its last forward_backward
     if texts and not ray:
         wait(*texts)
     if backwards:

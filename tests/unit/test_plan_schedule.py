@@ -127,35 +127,36 @@ def _with_loaders(vision_load: float) -> tuple[dict[str, Lane], dict[str, float]
 
 
 def test_the_loaders_run_a_round_ahead_and_a_forward_waits_for_its_samples() -> None:
-    """Loads of 3 s a round, in the background. The step's first two rounds were started at the step before's end:
-    the backend's prefetch is a call on the group's actors, so the vision loaders begin after the last backward
-    (10 s), 2 s before the step ends, leaving 1 s of round 0 and all of round 1 for the next step. Then: L0 [0,1],
-    L1 [1,4]; F0 [1,2] (waited 1 s), F1 [4,5] (waited 2 s); T0 [2,5], T1 [5,8], queued behind T0 (p2p); B0 [5,7],
-    B1 [8,10]; step [10,12]: 12 s; the next step's loads again leave 1 + 3 s."""
-    lanes, pools, w = _with_loaders(3.0)
-    script = driver_script(2, ["vision"], "text", ahead=1, loads=True)
+    """Four rounds, vision loads of 4 s, in the background; the prefetch is a call on the group's actors, so a
+    load starts once the calls submitted before it have run. Round k + 1's prefetch goes in at round k's encode
+    turn: L2 behind F0, L3 behind B0. The next step's first two rounds go in behind the last forward (F3): of
+    them 1 s of L1 is left at the step's end, which this step carried too. L1 [0,1]; F0 [0,1], F1 [1,2]; L2 [1,5];
+    T0 [1,4], B0 [4,6]; L3 [6,10]; F2 [6,7]; T1 [4,7], B1 [7,9], T2 [7,10]; F3 [10,11], waiting 1 s for L3; L0'
+    [11,15], L1' from 15; T3 [11,14], B2 [11,13], B3 [14,16]; step [16,18]: 18 s."""
+    lanes, pools, w = _with_loaders(4.0)
+    script = driver_script(4, ["vision"], "text", ahead=1, loads=True)
     first = [(c.group, c.kind, c.round, c.source) for a in script[:1] for c in a.calls]
     assert first == [("vision", "load", 0, "carried"), ("text", "load", 0, "carried"),
                      ("vision", "load", 1, "carried"), ("text", "load", 1, "carried")]
     rep = steady_replay(script, lanes, pools, w)
-    assert rep.step_s == pytest.approx(12.0)
-    assert spans_of(rep, "vision") == [("forward", 0, 1, 2), ("forward", 1, 4, 5), ("backward", 0, 5, 7),
-                                       ("backward", 1, 8, 10)]
-    assert spans_of(rep, "text") == [("forward_backward", 0, 2, 5), ("forward_backward", 1, 5, 8)]
-    assert rep.data_wait_s == pytest.approx({"vision": 3.0, "text": 0.0})
-    assert rep.loader_s["vision"] == pytest.approx(1 + 3 + 2)  # carried 1 + 3, the next step's first 2 s
+    assert rep.step_s == pytest.approx(18.0)
+    assert spans_of(rep, "vision") == [
+        ("forward", 0, 0, 1), ("forward", 1, 1, 2), ("backward", 0, 4, 6), ("forward", 2, 6, 7),
+        ("backward", 1, 7, 9), ("forward", 3, 10, 11), ("backward", 2, 11, 13), ("backward", 3, 14, 16)]
+    assert spans_of(rep, "text") == [("forward_backward", 0, 1, 4), ("forward_backward", 1, 4, 7),
+                                     ("forward_backward", 2, 7, 10), ("forward_backward", 3, 11, 14)]
+    loads = {(c.round, c.source): (s, e) for c, s, e in rep.spans if c.kind == "load" and c.group == "vision"}
+    assert loads[(2, "")] == pytest.approx((1, 5)) and loads[(3, "")] == pytest.approx((6, 10))
+    assert loads[(0, "next")] == pytest.approx((11, 15))
+    assert rep.data_wait_s == pytest.approx({"vision": 1.0, "text": 0.0})
+    assert rep.loader_s["vision"] == pytest.approx(1 + 4 + 4 + 4 + 3)  # carried 1, L2, L3, L0', 3 s of L1'
     assert {(c.round, c.source): v for c, v in rep.left.items() if c.group == "vision"} == \
-        pytest.approx({(0, "next"): 1.0, (1, "next"): 3.0})
-    # within a step: round 3's prefetch, submitted at round 2's encode turn, runs on the vision actors behind the
-    # calls submitted before it, the last being backward 0; the loader lane is free by then
-    four = {c: (s, e) for c, s, e in steady_replay(driver_script(4, ["vision"], "text", ahead=1, loads=True),
-                                                   lanes, pools, w).spans}
-    assert four[Call("vision", "load", 3)][0] == pytest.approx(four[Call("vision", "backward", 0)][1])
+        pytest.approx({(1, "next"): 1.0})
     # quick loads: no wait, the step of a run without loaders
     fast = steady_replay(script, *_with_loaders(0.1)[:2], _with_loaders(0.1)[2])
-    assert fast.step_s == pytest.approx(11.0) and fast.data_wait_s["vision"] == 0.0  # 9 s and the step's 2
+    assert fast.step_s == pytest.approx(17.0) and fast.data_wait_s["vision"] == 0.0  # F3 at 9, B3 ends at 15
     # without ``loads`` the script has no load at all, and the loaders' lanes are not groups
-    plain = driver_script(2, ["vision"], "text", ahead=1)
+    plain = driver_script(4, ["vision"], "text", ahead=1)
     assert not any(c.kind == "load" for a in plain for c in a.calls)
     assert set(replay(plain, lanes, pools, w).busy_s) == {"vision", "text"}
 
