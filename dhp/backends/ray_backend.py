@@ -241,8 +241,9 @@ class RayBackend:
 
     # ---- one step ------------------------------------------------------------------------------
     def run_step(self, plan: StepPlan, upcoming: StepPlan | None = None) -> StepStats:
-        """One step of ``plan``; ``upcoming``: the next step's plan, whose first rounds the loaders start on once
-        this step's last round is submitted (so the next step's first forward finds its samples decoded)."""
+        """One step of ``plan``; ``upcoming``: the next step's plan, whose first rounds each group's loaders start
+        on once it has taken this step's last samples: an encoder's behind its last forward, the text's behind its
+        last forward_backward (so the next step's first forward finds its samples decoded)."""
         t_start, wall_start = time.perf_counter(), time.time()
         rounds = plan.rounds
         forwards: list[dict[str, Any]] = []  # [round] -> encoder -> Pending forward
