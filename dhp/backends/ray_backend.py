@@ -248,7 +248,8 @@ class RayBackend:
         rounds = plan.rounds
         forwards: list[dict[str, Any]] = []  # [round] -> encoder -> Pending forward
         pieces: list[list[list[Emitted]]] = []  # [round][text replica] -> the pieces it needs, from every encoder
-        texts: list[Pending] = []  # [round] -> the text group's forward_backward: its losses, per replica (head)
+        texts: list[Pending] = []  # p2p: [round] -> the text group's forward_backward, its losses not yet taken
+        losses: list[list[tuple[float, int]]] = []  # [round] -> per text replica (head): (loss sum, tokens)
         backwards: list[tuple[str, list[Any]]] = []  # encoder backward refs, to surface errors
         p2p = self.data_plane == "p2p"
         for turn in schedule_turns(len(rounds), plan.window, self.ahead):  # the schedule, as data
@@ -276,9 +277,10 @@ class RayBackend:
                 self.text.submit("arm_gradient_reduction")
             text_refs = self._submit_text(k, rounds[k], pieces[k])
             grads = {e: self._grads_for(k, rounds[k], e) for e in self.encoders if self.trains[e] and not p2p}
-            texts.append(self.text.pending("forward_backward", text_refs))
-            if not p2p:  # the router's gradients are the text step's output: the driver waits for them anyway
-                texts[-1].get()
+            if p2p:
+                texts.append(self.text.pending("forward_backward", text_refs))
+            else:  # the router's gradients are the text step's output: the driver waits for them anyway
+                losses.append(self.text.pending("forward_backward", text_refs).get())
             for e in self.encoders:
                 if last and self.trains[e]:
                     self.group(e).submit("arm_gradient_reduction")
@@ -290,7 +292,7 @@ class RayBackend:
         if upcoming is not None:  # the text loaders: behind its last forward_backward, which takes its samples
             for n in (0, 1):
                 self._prefetch(n, upcoming.rounds, [self.lang])
-        losses: list[list[tuple[float, int]]] = [t.get() for t in texts]  # [round] -> per text replica (head)
+        losses += [t.get() for t in texts]
         for e, refs in backwards:
             self.group(e).get("backward", refs)
         loss_sum = sum(loss for per_round in losses for loss, _ in per_round)

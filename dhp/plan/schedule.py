@@ -4,7 +4,8 @@ The Ray backend (``dhp.backends.ray_backend.RayBackend.run_step``) walks ``dhp.d
 and, per turn, submits calls to the module groups and waits for some of them; an actor runs its calls in
 submission order. ``driver_script`` writes that same walk as data (submit a call, wait for calls), from the
 same ``schedule_turns``, so the planner prices the order the runtime runs and the two cannot drift apart
-(``tests/unit/test_plan_schedule.py`` checks the script against the backend's own submissions).
+(``tests/distributed/test_ray_train.py::test_the_drivers_calls_are_the_planners_script`` checks the script against
+the backend's own submissions and waits in a real step, call by call).
 
 ``replay`` then runs the script on a clock:
 

@@ -11,7 +11,7 @@ from dhp.cli import main
 from dhp.config import load_config
 from dhp.data.sampler import BatchPlanner
 from dhp.inputs import dataset_spec, module_costs, open_dataset, resolve_inputs
-from dhp.runtime import WorkerError
+from dhp.runtime import Broadcast, WorkerError
 
 
 def _alive_dhp_actors() -> list[str]:
@@ -61,6 +61,107 @@ def test_worker_failure_names_module_and_rank_and_cleans_up(ray_cluster, demo_ov
         backend.shutdown()
         image.write_bytes(saved)
     assert _alive_dhp_actors() == []
+
+
+def _recording(monkeypatch) -> list[tuple[str, str, str, int]]:
+    """The driver's calls as it makes them: (submit | wait, group, kind, round), one entry per call (not per
+    rank); a prefetch is a ``load``. Waits inside ``get_watching`` on the watched calls are not the driver's."""
+    from dhp.backends import ray_backend
+    from dhp.runtime.worker_group import WorkerGroup
+
+    log: list[tuple[str, str, str, int]] = []
+    calls: dict = {}
+    watching: list[set] = []
+    submit, submit_rank, gather, wait_tensors = (WorkerGroup.submit, WorkerGroup.submit_rank, WorkerGroup._gather,
+                                                 WorkerGroup.wait_tensors)
+    get_watching = ray_backend.get_watching
+
+    def call_of(module: str, method: str, args: tuple) -> tuple[str, str, int]:
+        first = args[0].value if args and isinstance(args[0], Broadcast) else args[0] if args else None
+        return module, "load" if method == "prefetch" else method, first if type(first) is int else -1
+
+    def submitted(group, method, args, refs):
+        if method != "arm_gradient_reduction":
+            for ref in refs:
+                calls[ref] = call_of(group.module, method, args)
+            log.append(("submit", *call_of(group.module, method, args)))
+
+    def waited(refs):
+        if not watching or set(refs) <= watching[-1]:
+            log.extend(("wait", *c) for c in dict.fromkeys(calls[r] for r in refs if r in calls))
+
+    def rec_submit(self, method, *args, **kwargs):
+        refs = submit(self, method, *args, **kwargs)
+        submitted(self, method, args, refs)
+        return refs
+
+    def rec_submit_rank(self, rank, method, *args, **kwargs):
+        ref = submit_rank(self, rank, method, *args, **kwargs)
+        submitted(self, method, args, [ref])
+        return ref
+
+    def rec_gather(self, method, refs, ranks=None, timeout_s=None):
+        waited(refs)
+        return gather(self, method, refs, ranks, timeout_s)
+
+    def rec_wait_tensors(self, method, refs, ranks):
+        waited(refs)
+        return wait_tensors(self, method, refs, ranks)
+
+    def rec_get_watching(target, watched):
+        watching.append(set(target.refs))
+        try:
+            return get_watching(target, watched)
+        finally:
+            watching.pop()
+
+    monkeypatch.setattr(WorkerGroup, "submit", rec_submit)
+    monkeypatch.setattr(WorkerGroup, "submit_rank", rec_submit_rank)
+    monkeypatch.setattr(WorkerGroup, "_gather", rec_gather)
+    monkeypatch.setattr(WorkerGroup, "wait_tensors", rec_wait_tensors)
+    monkeypatch.setattr(ray_backend, "get_watching", rec_get_watching)
+    return log
+
+
+def _once(entries):
+    """Consecutive repeats dropped (a call submitted to each rank, a wait on several of its ranks)."""
+    return [e for i, e in enumerate(entries) if i == 0 or entries[i - 1] != e]
+
+
+@pytest.mark.parametrize("placement", ["disaggregated", "collocated"])
+def test_the_drivers_calls_are_the_planners_script(ray_cluster, demo_overrides, monkeypatch, placement):
+    """One schedule definition for the runtime and the planner: a real step's submissions and waits, in the
+    driver's order, are ``dhp.plan.schedule.driver_script``'s (the p2p plane with encoders 1 and 0 rounds ahead,
+    disaggregated; the object-store router, collocated, with its emits), loads included (the step's first two
+    rounds are the step before's: the script's carried loads, the driver's first prefetches)."""
+    from dhp.backends.ray_backend import RayBackend
+    from dhp.plan.schedule import driver_script
+
+    cfg = load_config(None, demo_overrides + ["runtime.backend=ray", "runtime.cpus_per_worker=0.5",
+                                              f"runtime.placement={placement}", "vision.parallel.sp=2",
+                                              "text.parallel.tp=2", "train.micro_batch_size=2"])
+    inputs = resolve_inputs(cfg)
+    spec = dataset_spec(inputs, inputs.train_path)
+    costs = module_costs(inputs.family, inputs.model_cfg, open_dataset(spec))
+    planner = BatchPlanner(costs, {"vision": 1, "text": 1}, 8, 2)
+    backend = RayBackend(inputs, spec)
+    try:
+        for step, ahead in enumerate([1, 0] if placement == "disaggregated" else [backend.ahead]):
+            backend.ahead = ahead
+            plan = planner.plan(step)
+            assert len(plan.rounds) == 4
+            log = _recording(monkeypatch)
+            backend.run_step(plan, planner.plan(step + 1))
+            monkeypatch.undo()
+            first = next(i for i, e in enumerate(log) if e[2] == "forward")
+            ran = _once([e for i, e in enumerate(log) if i >= first or e[2] != "load"])
+            script = _once([(a.op, c.group, c.kind, c.round) for a in driver_script(
+                len(plan.rounds), backend.encoders, backend.lang, plan.window, ahead, backend.trains,
+                backend.data_plane, loads=True) for c in a.calls if c.source != "carried"])
+            assert backend.data_plane == ("p2p" if placement == "disaggregated" else "ray")
+            assert ran == script, f"ahead {ahead}"
+    finally:
+        backend.shutdown()
 
 
 def test_impossible_layouts_are_rejected_before_any_actor(ray_cluster, demo_overrides):
