@@ -48,6 +48,7 @@ class Pending:
         self.refs, self.ranks = list(refs), list(ranks)
         self.spec: DispatchSpec = spec_of(group.worker_cls, method)
         self.produces_tensors = is_tensor_producer(group.worker_cls, method)
+        self.fine: set[ray.ObjectRef] = set()  # refs of ranks that ``check`` found finished without error
 
     def get(self, timeout_s: float | None = None) -> Any:
         if self.produces_tensors:
@@ -62,6 +63,7 @@ class Pending:
     def check(self, ref: ray.ObjectRef) -> None:
         """Raises ``WorkerError`` if the finished call behind ``ref`` (one of this call's ranks) failed."""
         self.group.get(self.method, [ref], ranks=[self.ranks[self.refs.index(ref)]])
+        self.fine.add(ref)
 
     def __repr__(self) -> str:
         return f"Pending({self.group.module}.{self.method}, ranks={self.ranks})"
@@ -75,7 +77,7 @@ def get_watching(target: Pending, watched: Iterable[Pending]) -> Any:
     output never answers, so a wait on it alone would hang; this wait ends with that failure instead. A
     watched rank's failure raises as soon as it ends, before its peers (which may wait in a collective for it).
     """
-    owner = {ref: p for p in watched for ref in p.refs}
+    owner = {ref: p for p in watched for ref in p.refs if ref not in p.fine}  # each rank checked once
     waiting = set(target.refs)
     unready = [*target.refs, *owner]
     while waiting:
