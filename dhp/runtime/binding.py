@@ -75,9 +75,12 @@ def get_watching(target: Pending, watched: Iterable[Pending]) -> Any:
     The driver submits some calls before it takes their results (the text group's next round before its
     last round's losses: ``RayBackend.run_step``). A call queued behind one that waits for a failed call's
     output never answers, so a wait on it alone would hang; this wait ends with that failure instead. A
-    watched rank's failure raises as soon as it ends, before its peers (which may wait in a collective for it).
+    watched rank's failure raises as soon as it ends, before its peers (which may wait in a collective for it);
+    so does a rank of ``target``, as ``get`` alone would.
     """
     owner = {ref: p for p in watched for ref in p.refs if ref not in p.fine}  # each rank checked once
+    if not owner:
+        return target.get()
     waiting = set(target.refs)
     unready = [*target.refs, *owner]
     while waiting:
@@ -85,6 +88,8 @@ def get_watching(target: Pending, watched: Iterable[Pending]) -> Any:
         for ref in ready:
             if ref in owner:
                 owner[ref].check(ref)
+            elif not target.produces_tensors:  # (a producer's failure: ``get``'s ``wait_tensors`` names it)
+                target.check(ref)
             waiting.discard(ref)
     return target.get()
 

@@ -262,8 +262,9 @@ def test_a_wait_that_watches_submitted_calls_ends_with_their_failure(ray_cluster
     """The driver submits a text round before it takes the last one's losses (p2p plane). A failed text round
     leaves an encoder call queued behind a call that waits for its output forever (a backward in its receive);
     ``get_watching`` on the queued call raises the text rank's error as soon as it fails, while the failing
-    rank's peer still waits in its collective, and the queued call is still queued. Watched calls that succeed
-    change nothing: the target's value, collected by its method's dispatch."""
+    rank's peer still waits in its collective, and the queued call is still queued; a failed rank of the target
+    itself raises as soon, though its peer never answers. Watched calls that succeed change nothing: the target's
+    value, collected by its method's dispatch."""
     with Runtime({"vision": _spec(1), "text": _spec(2)}, placement="disaggregated", transport="object_store",
                  cpus_per_worker=0.5) as rt:
         vision, text = rt["vision"], rt["text"]
@@ -278,6 +279,10 @@ def test_a_wait_that_watches_submitted_calls_ends_with_their_failure(ray_cluster
             get_watching(queued, [fine, failing])
         assert time.monotonic() - start < 60  # not the 600 s the blocked call would take
         assert ray.wait(queued.refs, timeout=0)[0] == []  # a plain get would have waited on it
+        # the target's own failed rank raises at once too, while its peer never answers (text rank 0 is still in
+        # the all-reduce above) and the watched call is still queued
+        with pytest.raises(WorkerError, match=r"text rank 1 failed in fail_on"):
+            get_watching(text.fail_on.submit(1), [queued])
 
 
 def test_plans_and_fit_checks_without_actors(ray_cluster: dict) -> None:
