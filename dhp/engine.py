@@ -307,7 +307,8 @@ class ModuleEngine:
         skip = self.definition.projector_prefixes if self.cfg.merger.trainable else ()
         parts_of = parts_by_weights(family.weights, self.definition.weight_prefix, self.module, self.model_cfg)
         try:
-            apply_lora(self.module, lora.r, lora.alpha, lora.dropout, lora.target_modules, parts_of, skip=skip)
+            apply_lora(self.module, lora.r, lora.alpha, lora.dropout, lora.target_modules, parts_of, skip=skip,
+                       dtype=self.precision.params)
         except ValueError as e:
             raise ConfigError(f"{self.name}.lora.target_modules: {e}") from None
         return {name: (m.scaling, m.target, m.r) for name, m in lora_modules(self.module)}

@@ -80,12 +80,14 @@ class LoRALinear(nn.Linear):
     target: LoRATarget
 
     @classmethod
-    def wrap(cls, linear: nn.Linear, r: int, alpha: float, dropout: float, target: LoRATarget) -> LoRALinear:
-        """Turn ``linear`` into a ``LoRALinear`` in place (on its own device: the meta device before a layout)."""
+    def wrap(cls, linear: nn.Linear, r: int, alpha: float, dropout: float, target: LoRATarget,
+             dtype: torch.dtype = torch.float32) -> LoRALinear:
+        """Turn ``linear`` into a ``LoRALinear`` in place (on its own device: the meta device before a layout),
+        its adapters in ``dtype`` (the policy's parameter dtype: float32 master weights, or pure bf16)."""
         if sum(target.rows) != linear.out_features:
             raise ValueError(f"LoRA target {target.names}: parts of {list(target.rows)} rows do not make the "
                              f"{linear.out_features} output rows of the Linear")
-        device, dtype = linear.weight.device, torch.float32
+        device = linear.weight.device
         linear.__class__ = cls
         linear.r, linear.scaling, linear.target = r, alpha / r, target
         parts = len(target.rows)
@@ -148,12 +150,13 @@ def _up_local(h: torch.Tensor, b: torch.Tensor, target: LoRATarget, r: int) -> t
 # ---- applying -----------------------------------------------------------------------------------------------
 def apply_lora(module: nn.Module, r: int, alpha: float, dropout: float, targets: str | Sequence[str],
                parts_of: Callable[[str], tuple[tuple[str, ...], tuple[int, ...]]],
-               skip: Sequence[str] = ()) -> list[str]:
+               skip: Sequence[str] = (), dtype: torch.dtype = torch.float32) -> list[str]:
     """Wrap every ``nn.Linear`` of ``module`` that ``targets`` choose; returns their (module-local) names.
 
     ``parts_of(local name)``: the checkpoint's module names the Linear is made of and their rows (one name for a
-    plain Linear). ``skip``: prefixes of Linears left alone (a projector trained whole). Raises ``ValueError``
-    when the targets choose nothing (a misspelt name would otherwise train nothing)."""
+    plain Linear). ``skip``: prefixes of Linears left alone (a projector trained whole). ``dtype``: the adapters'
+    (the parameters' under the precision policy: one dtype for all that trains, as ZeRO-1's optimizer needs).
+    Raises ``ValueError`` when the targets choose nothing (a misspelt name would otherwise train nothing)."""
     chosen = []
     for name, sub in list(module.named_modules()):
         if type(sub) is not nn.Linear or name.startswith(tuple(skip)):
@@ -161,7 +164,7 @@ def apply_lora(module: nn.Module, r: int, alpha: float, dropout: float, targets:
         names, rows = parts_of(name)
         active = tuple(targeted(n, targets) for n in names)
         if any(active):
-            LoRALinear.wrap(sub, r, alpha, dropout, LoRATarget(names, rows, active))
+            LoRALinear.wrap(sub, r, alpha, dropout, LoRATarget(names, rows, active), dtype)
             chosen.append(name)
     if not chosen:
         raise ValueError(f"LoRA target_modules {targets!r} match no Linear of the {type(module).__name__} (names "

@@ -711,6 +711,22 @@ def _peak_only(cls: type) -> type:
             super()._post_bw_hook(module, args)
             _GC.at(self, module)
 
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> tuple[int, int]:
+            # the stock one hooks every parameter's gradient, and a frozen one (a LoRA base) takes no hook
+            out = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+            if install_grad_hooks:
+                for param in module.parameters():
+                    if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                        self._param_to_grad_hook_handles[param] = (
+                            param.register_hook(self._gradient_seen),
+                            param.register_post_accumulate_grad_hook(lambda p: self._gradient_seen(p.grad)))
+            return out
+
+        def _gradient_seen(self, grad: torch.Tensor) -> None:
+            from torch.distributed._tools.mem_tracker import _MemRefType
+
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
         def _update_peak_stats(self, peak_state: Any) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 total = snap["Total"]

@@ -159,3 +159,30 @@ def test_a_lora_base_is_held_in_the_compute_dtype(demo_data, tmp_path):
     assert state and all(v.dtype == torch.float32 for v in state)
     assert all(torch.equal(after[k], before[k]) for k in after if not is_adapter(k))
     assert max((after[k] - before[k]).abs().max().item() for k in after if is_adapter(k)) > 0
+
+
+def test_pure_bf16_adapters_train_in_the_dtype_of_all_that_trains(demo_data, tmp_path):
+    """Under pure bf16 (``train.precision=bf16``) the adapters are bfloat16 like the projector trained whole
+    beside them (``merger.trainable``): one dtype for every trained parameter, as ZeRO-1's optimizer needs (float32
+    adapters beside a bf16 projector stopped ``vision.parallel.zero=1`` at its build); a step trains them."""
+    over = [f"data.path={demo_data.train}", f"data.tokenizer={demo_data.tokenizer}", "data.max_pixels=12544",
+            "train.global_batch_size=2", "train.micro_batch_size=2", "runtime.backend=local", "train.dtype=bfloat16",
+            "train.precision=bf16", "train.warmup_steps=1", f"output.dir={tmp_path / 'run'}", "text.lora.r=4",
+            "vision.lora.r=4"]
+    run = prepare(load_config(None, over))
+    backend = make_backend(run.inputs, run.dataset, run.spec)
+    try:
+        before = {e.name: {k: v.clone() for k, v in e.module.state_dict().items()} for e in backend.engines}
+        for e in backend.engines:
+            assert {p.dtype for p in e.trainable} == {torch.bfloat16}, e.name
+            assert any(is_adapter(n) for n, p in e.module.named_parameters() if p.requires_grad), e.name
+        for s in range(2):
+            stats = backend.run_step(run.planner.plan(s))
+        after = {e.name: e.module.state_dict() for e in backend.engines}
+    finally:
+        backend.shutdown()
+    assert torch.isfinite(torch.tensor(stats.loss))
+    for name, state in after.items():
+        moved = [k for k in state if not torch.equal(state[k], before[name][k])]
+        assert any(is_adapter(k) for k in moved), (name, moved)
+        assert all(is_adapter(k) or k.startswith("merger") for k in moved), (name, moved)

@@ -51,6 +51,26 @@ def test_lora_rows_hold_state_for_the_adapters_only_and_a_bf16_base() -> None:
     assert bf16.optimizer == 8 * adapters
 
 
+def test_a_tracked_lora_run_counts_the_adapters_gradients_and_pure_bf16_adapters() -> None:
+    """A run with its forward and backward (``MemTracker``, which hooks the gradients of what trains: a frozen
+    base takes no hook) holds the adapters' gradients alone; under pure bf16 (``train.precision=bf16``) the
+    adapters are bf16 as every parameter that trains (ZeRO-1's optimizer takes one dtype): 2 bytes of gradient
+    and 4 of AdamW's moments per adapter parameter."""
+    from dhp.plan.command import model_config
+
+    _, model_cfg = model_config("tiny")
+    base, adapters = _counts(model_cfg)
+    job = GroupJob("text", device="cpu", dtype="float32", text_tokens=32, lora_rank=RANK)
+    tracked = measure(job, model_cfg)
+    assert tracked.grads == 4 * adapters and tracked.optimizer == 8 * adapters
+    buffers = tracked.breakdown["Buffer"]  # the rotary table
+    assert tracked.weights == 4 * (base + adapters) + buffers
+    pure = measure(GroupJob(**{**job.__dict__, "precision": "bf16", "dtype": "bfloat16", "dp": 2, "zero": 1}),
+                   model_cfg)
+    assert pure.grads == 2 * adapters and pure.weights == 2 * (base + adapters) + buffers
+    assert pure.optimizer == pytest.approx(4 * adapters / 2, rel=0.05)  # ZeRO-1: half the moments on a rank
+
+
 def test_plan_with_lora_prints_and_writes_the_lora_keys(tmp_path, capsys) -> None:
     out = tmp_path / "plan.json"
     rc = main(["plan", "tiny", "--gpus", "2", "--strategies", "zero3", "--vision-tokens", "256", "--text-tokens",
