@@ -49,7 +49,10 @@ def media_points(family: Any, args: Any) -> list[dict[str, int]]:
         if given is None:
             raise UsageError(f"dhp plan: the {enc.name} encoder of {family.name} has no --{enc.name}-tokens option; "
                              "plan it through dhp.plan.planner.plan(media=...)")
-        sizes = [int(x) for x in str(given).split(",") if x]
+        try:
+            sizes = [int(x) for x in str(given).split(",") if x.strip()]
+        except ValueError:
+            sizes = []
         if not sizes or min(sizes) < 1:
             raise UsageError(f"--{enc.name}-tokens: give positive sizes, comma-separated (got {given!r})")
         lists.append([(enc.name, n) for n in sizes])
@@ -180,9 +183,39 @@ def lora_of(spec: str | None, family: Any) -> dict[str, int]:
     return out
 
 
+def check_numbers(args: Any) -> None:
+    """Usage errors naming the flag for numbers out of range (a zero micro-batch, negative tokens, a GPU count
+    below one): they would otherwise fail deep in a fake run as a traceback."""
+    from dhp.errors import UsageError
+
+    floors = (("gpus", 1, "GPUs to lay the model out on"), ("micro_batch_size", 1, "samples per micro-batch"),
+              ("text_tokens", 0, "text tokens per sample besides the placeholders"),
+              ("gpu_memory_gb", 1e-9, "GB per GPU"), ("peak_tflops", 1e-9, "TFLOP/s"),
+              ("pool_link_gbs", 1e-9, "GB/s between pools"), ("threads", 1, "torch threads"))
+    for name, floor, what in floors:
+        value = getattr(args, name, None)
+        if value is not None and value < floor:
+            bound = f"{floor} or more" if floor in (0, 1) else "a number above 0"
+            raise UsageError(f"--{name.replace('_', '-')} {value:g}: give {bound} ({what})")
+
+
+def strategies_of(spec: str | None) -> tuple[str, ...]:
+    """``--strategies a,b`` -> (a, b), each one of ``STRATEGIES`` (an unknown name is a usage error: it would
+    otherwise plan nothing and print "no layout fits")."""
+    from dhp.errors import UsageError
+
+    names = tuple(s.strip() for s in (spec or ",".join(STRATEGIES)).split(",") if s.strip())
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown or not names:
+        raise UsageError(f"--strategies {spec!r}: {', '.join(unknown) or 'none given'}: choose among "
+                         f"{', '.join(STRATEGIES)}")
+    return names
+
+
 def run_plan(args: Any) -> int:
     from dhp.errors import ModelError, UsageError
 
+    check_numbers(args)
     if args.model == "calibrate":
         return run_calibrate(args)
     if not args.gpus and not getattr(args, "published", False):  # --published sets its own 8 GPUs
@@ -194,7 +227,7 @@ def run_plan(args: Any) -> int:
     dev, pricing, devices = pricing_of(args, family)
     limit = args.gpu_memory_gb or dev.memory_gb
     points = media_points(family, args)
-    strategies = tuple(s for s in (args.strategies or ",".join(STRATEGIES)).split(",") if s)
+    strategies = strategies_of(args.strategies)
     if devices:  # groups on their own devices: only the disaggregated layouts put each group on its own pool
         strategies = tuple(s for s in strategies if s == "dhp-disaggregated")
         if not strategies:
@@ -289,8 +322,14 @@ def published_ratio(rows: list[Row]) -> str:
 
 def run_calibrate(args: Any) -> int:
     """``dhp plan calibrate --out profile.json [--on cpu|cuda] [--quick] [--threads N] [--no-runtime]``."""
+    import torch
+
+    from dhp.errors import UsageError
     from dhp.plan.calibrate import calibrate
 
+    if getattr(args, "on", None) == "cuda" and not torch.cuda.is_available():
+        raise UsageError("dhp plan calibrate --on cuda: this machine has no CUDA device; calibrate on a GPU "
+                         "machine, or this one with --on cpu")
     out = getattr(args, "out", None) or "profile.json"
     prof = calibrate(getattr(args, "on", None), quick=bool(getattr(args, "quick", False)),
                      log=lambda s: print(s, file=sys.stderr, flush=True), threads=getattr(args, "threads", None),

@@ -240,3 +240,21 @@ def test_chunked_loss_lowers_the_text_peak_and_recomputes_the_head_once(device: 
     assert extra == 2 * n * d * v
     assert whole.peak - chunked.peak >= n * v * 4, (whole.peak, chunked.peak)  # a float32 [N, V] at least
     assert chunked.weights == whole.weights and chunked.grads == whole.grads
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["tiny", "--gpus", "0"], "--gpus 0: give 1 or more"),
+    (["tiny", "--gpus", "2", "--micro-batch-size", "0"], "--micro-batch-size 0: give 1 or more"),
+    (["tiny", "--gpus", "2", "--text-tokens", "-5"], "--text-tokens -5: give 0 or more"),
+    (["tiny", "--gpus", "2", "--gpu-memory-gb", "0"], "--gpu-memory-gb 0: give a number above 0"),
+    (["tiny", "--gpus", "2", "--vision-tokens", "1k"], "--vision-tokens: give positive sizes"),
+    (["tiny", "--gpus", "2", "--strategies", "zero3,tp8"], "tp8: choose among dhp-collocated"),
+    (["calibrate", "--on", "cpu", "--threads", "0"], "--threads 0: give 1 or more"),
+])
+def test_bad_numbers_and_names_are_usage_errors_naming_the_flag(argv: list[str], message: str, capsys: Any) -> None:
+    """Exit 2 and a line naming the flag, before any fake run (they used to fail inside one as "unexpected
+    error", or, for an unknown strategy, plan nothing and print "no layout fits" with exit 0)."""
+    from dhp.cli import main
+
+    assert main(["plan", *argv]) == 2
+    assert message in capsys.readouterr().err
