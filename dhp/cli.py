@@ -38,6 +38,10 @@ from dhp.errors import (
 )
 
 EMBEDDED = "demo"  # the name of the embedded demo config on the command line
+# the built-in families' presets, for the help text (written out: the registry imports torch and the families;
+# tests/unit/test_cli_help.py holds it equal to the registry's)
+PRESET_NAMES = ("tiny | 3b | 7b | 32b | 72b | omni-tiny | omni-3b | omni-7b | qwen3-vl-tiny | qwen3-vl-2b | "
+                "qwen3-vl-4b | qwen3-vl-8b | qwen3-vl-32b")
 MAX_LISTED_PROBLEMS = 5  # per-sample problems printed under a data error (`dhp data check` lists more)
 
 BASE_RULE = (
@@ -354,8 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_train)
     i = sub.add_parser("info", help="parameter counts of a preset (built on the meta device) or an HF directory",
                        parents=[common], epilog=_epilog(), formatter_class=fmt)
-    i.add_argument("model", help="tiny | 3b | 7b | 32b | 72b | omni-tiny | omni-3b | omni-7b | path to a Hugging "
-                                 "Face checkpoint")
+    i.add_argument("model", help=f"{PRESET_NAMES} | path to a Hugging Face checkpoint")
     i.add_argument("--family", default=None, help="model family (default: the family of the preset, or qwen2_5_vl)")
     i.set_defaults(fn=cmd_info)
     d = sub.add_parser("data", help="data tools", parents=[common])
@@ -410,9 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(fn=cmd_report)
     pl = sub.add_parser("plan", help="predict memory and speed of every layout from fake runs of the real code",
                         parents=[common], epilog=_epilog(), formatter_class=fmt)
-    pl.add_argument("model", help="a preset (tiny | 3b | 7b | 32b | 72b | omni-tiny | omni-3b | omni-7b), a Hugging "
-                    "Face directory or a config.json; or `calibrate` (with --out, --on, --quick): measure this "
-                    "machine's device profile for --profile")
+    pl.add_argument("model", help=f"a preset ({PRESET_NAMES}), a Hugging Face directory or a config.json; or "
+                    "`calibrate` (with --out, --on, --quick): measure this machine's device profile for --profile")
     pl.add_argument("--family", default=None, help="the model family (model.family; default: the preset's or the "
                     "checkpoint's)")
     pl.add_argument("--gpus", type=int, default=None, help="GPUs to lay the model out on (required but for "
