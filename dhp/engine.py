@@ -539,16 +539,44 @@ class EncoderEngine(ModuleEngine):
         if not self.needs_backward or key not in self.pending:
             return
         outputs, rows = self.pending.pop(key)
-        tensors, seeds = [], []
-        for name, out in outputs.items():
-            grad = torch.zeros_like(out)
+        seeds = {name: torch.zeros_like(out) for name, out in outputs.items()}
+        for name, grad in seeds.items():
             for sid, (local_rows, _) in rows.items():  # every output's gradient must have come back
                 grad[local_rows] = grads[sid][name].to(device=grad.device, dtype=grad.dtype)
-            if out.requires_grad:
-                tensors.append(out)
-                seeds.append(grad)
+        self._backward_from(outputs, seeds)
+
+    def backward_parts(self, key: object, parts: list[tuple[int, torch.Tensor, Named]]) -> None:
+        """Backpropagate from gradients that come back in parts: (sample id, the token indices of its rows,
+        {name: rows}). A sample's rows may be split over several parts, in any order: under Megatron SP each
+        text rank hands back the rows of its own sequence slice, and a sample can straddle two slices. Each part's
+        rows go where ``forward`` put those tokens (device index ops, no host read); every row of every sample
+        must come back once."""
+        if not self.needs_backward or key not in self.pending:
+            return
+        outputs, rows = self.pending.pop(key)
+        got: dict[int, int] = {}
+        for sid, token_index, _ in parts:
+            got[sid] = got.get(sid, 0) + len(token_index)
+        missing = {sid: (len(local_rows), got.get(sid, 0)) for sid, (local_rows, _) in rows.items()
+                   if got.get(sid, 0) != len(local_rows)}
+        if missing:
+            raise RuntimeError(f"{self.name}: gradients of micro-batch {key} came back for the wrong rows: "
+                               f"{{sample: (rows here, rows back)}} {missing}")
+        seeds = {name: torch.zeros_like(out) for name, out in outputs.items()}
+        for sid, token_index, named in parts:
+            local_rows, forward_index = rows[sid]
+            order = torch.argsort(forward_index)
+            at = local_rows[order[torch.searchsorted(forward_index[order], token_index.to(forward_index.device))]]
+            for name, grad in seeds.items():
+                grad[at] = named[name].to(device=grad.device, dtype=grad.dtype)
+        self._backward_from(outputs, seeds)
+
+    @staticmethod
+    def _backward_from(outputs: Named, seeds: Named) -> None:
+        """One backward through every output that requires a gradient, seeded with its gradient."""
+        tensors = [out for out in outputs.values() if out.requires_grad]
         if tensors:
-            torch.autograd.backward(tensors, seeds)
+            torch.autograd.backward(tensors, [seeds[n] for n, out in outputs.items() if out.requires_grad])
 
     def output_layout(self, key: object) -> tuple[tuple[str, int, torch.dtype], ...]:
         """(name, width, dtype) of each output kept for ``key``'s backward, in ``outputs`` order: what their

@@ -255,7 +255,8 @@ class EncoderWorker(EngineWorker):
         self._set_counting(init)
         self._open_data_plane(init)
         self.outputs: dict[Any, dict[int, Piece]] = {}
-        self.sent: dict[Any, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}  # key -> (text rank, rows) sent
+        # key -> (text rank, rows, their token index: under Megatron SP, where a sample's rows may go to two)
+        self.sent: dict[Any, list[tuple[int, tuple[tuple[int, int], ...], torch.Tensor | None]]] = {}
 
     def _take(self, i: int, pixels: bool = True) -> Any:
         """The loader's sample ``i``; where text ranks get sequence slices, its placeholder positions noted."""
@@ -322,9 +323,9 @@ class EncoderWorker(EngineWorker):
                     self.bytes_out += self.channel.send("forward", peer, [index, *send_order(rows)])
                 to[peer] = dict(counts)
             if self.text_slices:
-                sent += [(peer, counts) for peer, counts, _, _ in parts]
+                sent += [(peer, counts, index) for peer, counts, index, _ in parts]
             elif parts:
-                sent.append((ranks[0], parts[0][1]))
+                sent.append((ranks[0], parts[0][1], None))
         if self.engine.needs_backward:
             self.sent[key] = sent
         return to
@@ -372,16 +373,23 @@ class EncoderWorker(EngineWorker):
     def _backward_p2p(self, key: Any) -> None:
         sent = self.sent.pop(key, [])
         outputs = tuple((n, w, dtype_name(d)) for n, w, d in self.engine.output_layout(key))  # the gradients' shapes
-        incoming = [Incoming(self.module, head, counts, outputs) for head, counts in sent]
+        incoming = [Incoming(self.module, head, counts, outputs) for head, counts, _ in sent]
         got, waited = self.channel.receive("backward", incoming, with_index=False)
         self._wait_router(waited, key)
         t0 = time.perf_counter()
-        rows: dict[int, Named] = {}
-        for inc, (_, grad) in zip(incoming, got, strict=True):
-            rows.update(split_named(inc.rows, grad))
-            self.bytes_in += _nbytes(grad)
+        self.bytes_in += sum(_nbytes(grad) for _, grad in got)
         with self.counting():
-            self.engine.backward_rows(key, rows)
+            if self.text_slices:  # a sample's rows may come back from two text ranks: placed by token index
+                parts = [(sid, token_index, named)
+                         for (_, counts, index), (_, grad) in zip(sent, got, strict=True)
+                         for (sid, named), token_index in zip(split_named(counts, grad).items(),
+                                                              index.split([n for _, n in counts]), strict=True)]
+                self.engine.backward_parts(key, parts)
+            else:
+                rows: dict[int, Named] = {}
+                for inc, (_, grad) in zip(incoming, got, strict=True):
+                    rows.update(split_named(inc.rows, grad))
+                self.engine.backward_rows(key, rows)
         self._end_turn()
         self._timed("backward", t0, key)
 

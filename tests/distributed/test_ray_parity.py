@@ -144,8 +144,10 @@ HYBRID = {
     "sp2_tp2_collocated": ["vision.parallel.sp=2", "text.parallel.tp=2", "runtime.placement=collocated"],
     "uniform_tp2_dp2_zero1": ["vision.parallel.tp=2", "vision.parallel.dp=2", "vision.parallel.zero=1",
                               "text.parallel.tp=2", "text.parallel.dp=2", "text.parallel.zero=1"],
-    "zero1_everywhere": ["vision.parallel.dp=2", "vision.parallel.zero=1", "text.parallel.dp=2",
-                         "text.parallel.zero=1"],
+    # a replica's whole samples against the text's sequence slices: a sample's rows go to, and their gradients
+    # come back from, both text ranks where it straddles the slices' boundary (ZeRO-1 over text dp: the next run)
+    "vision_dp2_zero1__text_tp2_sequence_parallel": ["vision.parallel.dp=2", "vision.parallel.zero=1",
+                                                     "text.parallel.tp=2", "text.parallel.sequence_parallel=true"],
     "vision_sp2_dp2_zero1__text_tp2_dp2_zero1": ["vision.parallel.sp=2", "vision.parallel.dp=2",
                                                  "vision.parallel.zero=1", "text.parallel.tp=2",
                                                  "text.parallel.dp=2", "text.parallel.zero=1"],  # ZeRO-1 x SP, x TP

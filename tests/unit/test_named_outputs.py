@@ -147,3 +147,39 @@ def _vision_media(vision, pieces, ids: list[int], mcfg) -> dict[int, torch.Tenso
         for t, part in zip(ids_v, rows.split(list(counts)), strict=True):
             per_id[t].append(part)
     return {t: torch.cat(parts) for t, parts in per_id.items() if parts}
+
+
+def test_gradients_back_in_parts_equal_whole_ones(named_run) -> None:
+    """``EncoderEngine.backward_parts``: a sample's gradient rows handed back in pieces, in any order (under
+    Megatron SP a sample that straddles two text ranks' slices gets its gradients from both) give the parameter
+    gradients that its whole rows give (``backward``), for every named output; rows missing are an error naming
+    the sample."""
+    from dhp.engine import EncoderEngine
+
+    run = named_run
+    family, mcfg, cfg, get = run.inputs.family, run.inputs.model_cfg, run.inputs.cfg, run.dataset.get
+    audio = family.module("audio")
+    ids = [i for i in range(len(run.dataset)) if audio.num_placeholders(get(i), mcfg)][:2]
+    enc = EncoderEngine(audio, family, mcfg, cfg, get)
+    gen = torch.Generator().manual_seed(3)
+    pieces = enc.forward(0, ids)
+    whole = {sid: {n: torch.randn(audio.num_placeholders(get(sid), mcfg), t.shape[-1], generator=gen).to(t.dtype)
+                   for n, t in named.items()} for sid, (_, named) in pieces.items()}
+    enc.backward(0, whole)
+    want = {n: p.grad.clone() for n, p in enc.module.named_parameters()}
+
+    enc.module.zero_grad()
+    parts = []
+    for sid, (token_index, _) in enc.forward(1, ids).items():
+        order = torch.randperm(len(token_index), generator=gen)
+        for half in (order[len(order) // 3:], order[:len(order) // 3]):  # two pieces, out of order
+            at = token_index[half]
+            parts.append((sid, at, {n: g[at] for n, g in whole[sid].items()}))
+    enc.backward_parts(1, parts[::-1])
+    for name, p in enc.module.named_parameters():
+        assert torch.allclose(want[name], p.grad, rtol=1e-5, atol=1e-7), name
+    assert want["extra.weight"].abs().max() > 0
+
+    enc.forward(2, ids)
+    with pytest.raises(RuntimeError, match=rf"wrong rows.*{parts[0][0]}"):
+        enc.backward_parts(2, parts[1:])
