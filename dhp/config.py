@@ -421,10 +421,11 @@ def check_files_exist(cfg: Config) -> None:
         if p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()):
             continue  # a data set saved by HF datasets (save_to_disk)
         if p.is_dir():
-            raise DataError(f"data.{key}: {p} is a directory; give the JSON, JSONL or parquet file of the samples, "
-                            "or a directory saved by HF datasets (save_to_disk)")
+            raise DataError(f"data.{key}: {p} is a directory; give the JSON, JSONL, parquet or Arrow file of the "
+                            "samples, or a directory saved by HF datasets (save_to_disk)")
         if not p.is_file():
-            raise DataError(f"data.{key}: {_missing(p)}; give a JSON or JSONL file of samples (README: data forms)")
+            raise DataError(f"data.{key}: {_missing(p)}; give a JSON, JSONL, parquet or Arrow file of samples, or an "
+                            "HF datasets directory (README: data forms)")
     remote_root = "://" in str(d.image_root)  # a URL prefix: checked by dhp.storage.localize_inputs
     if d.image_root is not None and not remote_root and not Path(d.image_root).is_dir():
         raise DataError(f"data.image_root: {_not_dir(Path(d.image_root))}; set it to the folder the samples' image "

@@ -60,7 +60,7 @@ from dhp.config import DataConfig
 from dhp.data import index
 from dhp.data.batch import Sample
 from dhp.data.processor import TAGS, Processor
-from dhp.data.sources import RecordFile, fingerprint, open_records
+from dhp.data.sources import RecordFile, fingerprint, open_records, record_form
 from dhp.data.tokenizer import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Tokenizer
 from dhp.errors import DataError
 from dhp.models.spec import SampleInfo
@@ -258,8 +258,8 @@ class SFTDataset(_Checker):
         driver's ``self.index.digest()``)."""
         path = path if path is not None else cfg.path
         if path is None:
-            raise DataError("data.path: set it to a training data file (a JSON list or JSONL file, a parquet file or "
-                            "an HF datasets directory; README: data forms)")
+            raise DataError("data.path: set it to a training data file (a JSON list or JSONL file, a parquet or "
+                            "Arrow file or an HF datasets directory; README: data forms)")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.processor = processor
@@ -432,15 +432,16 @@ SETTINGS_IGNORED = ("path", "eval_path", "on_error", "loader_workers", "eval_sam
 
 
 def index_key(ds: _Checker, fp: str) -> tuple[str, dict[str, Any]]:
-    """(the index's cache key, what it hashes): the file and its fingerprint, and every setting that changes what
-    validation finds (the data keys, the image root, the processor's values, the tokenizer's file)."""
+    """(the index's cache key, what it hashes): the file, how it is read (``record_form``) and its fingerprint,
+    and every setting that changes what validation finds (the data keys, the image root, the processor's values,
+    the tokenizer's file)."""
     settings = {k: v for k, v in vars(ds.cfg).items() if k not in SETTINGS_IGNORED}
     if settings.get("validate") == "lazy":  # the same index as headers (lazy reads the rest in the run)
         settings["validate"] = "headers"
     tok_file = Path(ds.tokenizer.path) / "tokenizer.json"
     root = ds.image_root if isinstance(ds.image_root, UrlPath) else ds.image_root.absolute()
-    manifest = {"file": str(ds.file.absolute()), "fingerprint": fp, "image_root": str(root),
-                "settings": index.stable(settings), "processor": index.stable(ds.processor),
+    manifest = {"file": str(ds.file.absolute()), "form": record_form(ds.file), "fingerprint": fp,
+                "image_root": str(root), "settings": index.stable(settings), "processor": index.stable(ds.processor),
                 "tokenizer": hashlib.sha256(tok_file.read_bytes()).hexdigest()[:32] if tok_file.is_file() else ""}
     blob = json.dumps(manifest, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:24], manifest

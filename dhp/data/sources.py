@@ -1,5 +1,5 @@
-"""The files a data set is stored in, read one sample at a time by its position: JSONL, a JSON list, parquet, and a
-directory written by HF ``datasets`` (``Dataset.save_to_disk``).
+"""The files a data set is stored in, read one sample at a time by its position: JSONL, a JSON list, parquet, an
+Arrow file, and a directory written by HF ``datasets`` (``Dataset.save_to_disk``).
 
 Why by position: a worker that parses a whole million-sample file to use the few samples of its rounds holds every
 record in memory, in every process. A ``RecordFile`` instead knows where each sample is (the byte span of a JSON
@@ -8,8 +8,8 @@ found from the file's own metadata) and reads one when asked: a worker's memory 
 (memory-mapped) and the rows it reads, not the data set.
 
 A parquet row group is read whole (parquet's unit of reading) and the last one kept, per reader; write parquet with
-row groups of a few hundred to a few thousand rows (HF ``datasets`` and most converters do). An HF ``datasets``
-directory's Arrow files are memory-mapped: a row is a zero-copy slice.
+row groups of a few hundred to a few thousand rows (HF ``datasets`` and most converters do). Arrow files (an HF
+``datasets`` directory's, or one given alone) are memory-mapped: a row is a zero-copy slice.
 
 ``fingerprint`` identifies a file's contents for the index cache: its size, modification time and a hash of its
 first and last bytes (a changed file changes one of them in practice; a media file replaced in place is caught
@@ -32,6 +32,7 @@ from dhp.errors import DataError
 HEAD_BYTES = 1 << 16  # bytes hashed at each end of a file by ``fingerprint``
 SAVE_TO_DISK_STATE = "state.json"  # what HF datasets' save_to_disk writes beside its Arrow files
 PARQUET_SUFFIXES = (".parquet", ".pq")
+ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 
 Item = tuple[Any, str | None]  # (the parsed sample, or None; the problem found parsing it, or None)
 
@@ -134,7 +135,7 @@ def scan_json(path: Path) -> np.ndarray:
     flat: 2 * n int64. Raises DataError for a file that is neither (naming the file and the fix)."""
     if not path.is_file():
         raise DataError(f"data file {path} does not exist; set data.path to a LLaVA JSON or JSONL file, a parquet "
-                        "file or an HF datasets directory (README: data forms)")
+                        "or Arrow file or an HF datasets directory (README: data forms)")
     data = path.read_bytes()
     if data.lstrip()[:1] == b"[":
         return _scan_list(path, data)
@@ -284,10 +285,7 @@ class ArrowDir(_Table):
         if not names:
             raise DataError(f"{path}: {SAVE_TO_DISK_STATE} lists no data files; save the data set again with "
                             "Dataset.save_to_disk")
-        tables = []
-        for name in names:
-            source = pa.memory_map(str(path / name), "r")
-            tables.append(pa.ipc.open_stream(source).read_all())  # zero-copy: the rows stay in the mapped file
+        tables = [read_arrow(pa, path / name) for name in names]
         self._table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
     def __len__(self) -> int:
@@ -300,6 +298,30 @@ class ArrowDir(_Table):
         return self._rows(self._table.slice(start, stop - start))
 
 
+class ArrowFile(ArrowDir):
+    """One Arrow file (``.arrow``, ``.feather``, ``.ipc``): an HF ``datasets`` cache or shard file (the IPC stream
+    format), or the IPC file format (Feather v2) pyarrow and pandas write."""
+
+    def __init__(self, path: Path) -> None:
+        _Table.__init__(self, path)
+        self._table = read_arrow(_pyarrow(path), path)
+
+
+def read_arrow(pa: Any, path: Path) -> Any:
+    """The table of an Arrow IPC file, memory-mapped (zero-copy: the rows stay in the mapped file), in either IPC
+    format: the stream (HF ``datasets``' files) or the file format (Feather v2)."""
+    source = pa.memory_map(str(path), "r")
+    try:
+        return pa.ipc.open_stream(source).read_all()
+    except pa.ArrowInvalid:
+        source.seek(0)
+    try:
+        return pa.ipc.open_file(source).read_all()
+    except pa.ArrowInvalid as e:
+        raise DataError(f"{path}: not an Arrow IPC stream or file ({e}); give a JSON/JSONL, parquet or Arrow "
+                        "file, or a save_to_disk directory") from None
+
+
 def _release_unused() -> None:
     """Return the memory Arrow's allocator keeps after frees to the system (pyarrow >= 13; else nothing)."""
     import pyarrow as pa
@@ -309,9 +331,21 @@ def _release_unused() -> None:
         release()
 
 
-def open_records(path: Path, spans: np.ndarray | None = None) -> RecordFile:
-    """The reader of ``path`` by its form: a directory from ``save_to_disk``, a parquet file, else JSON/JSONL."""
+def record_form(path: Path) -> str:
+    """How ``path``'s records are stored, as ``open_records`` reads them: ``save_to_disk`` (a directory), ``parquet``,
+    ``arrow`` (by the suffix), else ``json`` (JSONL or a JSON list). Part of the index's key: the same bytes read
+    another way make another index."""
     if path.is_dir():
+        return "save_to_disk"
+    suffix = path.suffix.lower()
+    return "parquet" if suffix in PARQUET_SUFFIXES else "arrow" if suffix in ARROW_SUFFIXES else "json"
+
+
+def open_records(path: Path, spans: np.ndarray | None = None) -> RecordFile:
+    """The reader of ``path`` by its form (``record_form``): a directory from ``save_to_disk``, a parquet or Arrow
+    file, else JSON/JSONL."""
+    form = record_form(path)
+    if form == "save_to_disk":
         if (path / SAVE_TO_DISK_STATE).is_file():
             return ArrowDir(path)
         if (path / "dataset_dict.json").is_file():
@@ -320,10 +354,14 @@ def open_records(path: Path, spans: np.ndarray | None = None) -> RecordFile:
                             f"e.g. {path / (splits[0] if splits else 'train')}")
         raise DataError(f"data.path {path} is a directory but not a data set saved by HF datasets (no "
                         f"{SAVE_TO_DISK_STATE}); give a JSON/JSONL or parquet file, or a save_to_disk directory")
-    if path.suffix.lower() in PARQUET_SUFFIXES:
+    if form == "parquet":
         if not path.is_file():
             raise DataError(f"data file {path} does not exist; set data.path to an existing parquet file")
         return Parquet(path)
+    if form == "arrow":
+        if not path.is_file():
+            raise DataError(f"data file {path} does not exist; set data.path to an existing Arrow file")
+        return ArrowFile(path)
     return JsonLines(path, spans)
 
 

@@ -1,6 +1,6 @@
-"""Parquet and HF ``datasets`` (save_to_disk) data sets, with images as paths or inline bytes, in LLaVA-OneVision's
-and LLaMA-Factory's column names: the same tokens, labels and pixels as the equivalent JSONL, and the same training
-losses."""
+"""Parquet, Arrow files and HF ``datasets`` (save_to_disk) data sets, with images as paths or inline bytes, in
+LLaVA-OneVision's and LLaMA-Factory's column names: the same tokens, labels and pixels as the equivalent JSONL, and
+the same training losses."""
 
 from __future__ import annotations
 
@@ -133,6 +133,37 @@ def test_the_index_build_reads_each_row_group_once(rows, demo_data, tmp_path, mo
 def test_hf_save_to_disk_llamafactory_columns_equal_jsonl(rows, demo_data, tmp_path, inline):
     directory = _save_to_disk(_llamafactory(rows, demo_data, inline), tmp_path / "hf")
     _same(_open(directory, demo_data), _open(_jsonl(rows, tmp_path / "train.jsonl"), demo_data))
+
+
+@pytest.mark.parametrize("form", ["stream", "file"])
+def test_one_arrow_file_equals_jsonl(rows, demo_data, tmp_path, form):
+    """A single Arrow file given as data.path: an HF ``datasets`` shard or cache file (the IPC stream format) or
+    Feather v2 (the IPC file format). It used to be read as JSONL, and every binary "line" was a problem. The
+    index of the same bytes read as JSONL is not reused (the reader is part of its key)."""
+    table = pa.table(_llamafactory(rows, demo_data, inline=True))
+    path = tmp_path / "data-00000-of-00001.arrow"
+    with pa.OSFile(str(path), "wb") as sink:
+        writer = pa.ipc.new_stream(sink, table.schema) if form == "stream" else pa.ipc.new_file(sink, table.schema)
+        with writer:
+            writer.write_table(table)
+    jsonl = _open(_jsonl(rows, tmp_path / "train.jsonl"), demo_data)
+    _same(_open(path, demo_data), jsonl)
+    (tmp_path / "bad.arrow").write_bytes(b"not arrow " * 10)
+    with pytest.raises(DataError, match=r"bad.arrow: not an Arrow IPC stream or file"):
+        _open(tmp_path / "bad.arrow", demo_data)
+
+
+def test_the_index_key_holds_the_reader(rows, demo_data, tmp_path):
+    """The same bytes read as another form make another index: a file renamed from .jsonl to .arrow (or read
+    before a form was known) does not get the other form's cached index."""
+    from dhp.data.llava import index_key
+
+    ds = _open(_jsonl(rows, tmp_path / "train.jsonl"), demo_data)
+    key, manifest = index_key(ds, "fp")
+    assert manifest["form"] == "json"
+    (tmp_path / "train.arrow").write_bytes(b"")
+    ds.file = tmp_path / "train.arrow"
+    assert index_key(ds, "fp")[1]["form"] == "arrow" and index_key(ds, "fp")[0] != key
 
 
 def test_a_bad_inline_image_names_the_sample_and_the_file(rows, demo_data, tmp_path):
