@@ -144,12 +144,18 @@ class LoRAConfig:
 
     ``r`` > 0 turns it on (0: the module trains whole, as ``trainable`` says). ``target_modules`` as PEFT takes
     it, on the checkpoint's module names: a list of names (``[q_proj, v_proj]``: each matches a module whose
-    name ends with it), a regex the whole name must match, or ``all-linear`` (every Linear but ``lm_head``)."""
+    name ends with it), a regex the whole name must match, or ``all-linear`` (every Linear but ``lm_head``).
+    Names separated by commas (``q_proj,v_proj``, LLaMA-Factory's ``lora_target``) are that list: a module name
+    has no comma, so as one regex the string would match nothing."""
 
     r: int = 0
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: str | list[str] = "all-linear"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, str) and "," in self.target_modules:
+            self.target_modules = [t.strip() for t in self.target_modules.split(",") if t.strip()]
 
     @property
     def enabled(self) -> bool:

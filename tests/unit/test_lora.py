@@ -151,3 +151,7 @@ def test_lora_settings_parse_as_peft_users_write_them():
     cfg = load_config(None, ["runtime.backend=local", "text.lora.r=8", "text.lora.target_modules=[q_proj,v_proj]"])
     assert cfg.text.lora.enabled and cfg.text.lora.target_modules == ["q_proj", "v_proj"]
     assert not cfg.vision.lora.enabled and cfg.vision.lora.target_modules == "all-linear"
+    # LLaMA-Factory's `lora_target: q_proj,v_proj`: the same list (as one regex it would match no module name)
+    comma = load_config(None, ["runtime.backend=local", "text.lora.r=8", "text.lora.target_modules=q_proj, v_proj"])
+    assert comma.text.lora.target_modules == ["q_proj", "v_proj"]
+    assert load_config(None, ["text.lora.target_modules=.*proj"]).text.lora.target_modules == ".*proj"  # a regex
