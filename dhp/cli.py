@@ -280,6 +280,25 @@ def _ray_startup_messages(show: bool) -> None:
 MAX_TOKENS_START, MAX_TOKENS_STOP = 256, 65536  # `dhp bench --max-vision-tokens`: vision tokens of the first probe, cap
 
 
+def bench_profile(args: argparse.Namespace, config: str | Path | None, overrides: list[str]) -> str | None:
+    """The profile ``dhp bench`` predicts with: ``--profile``, else this machine's calibrated profile of the device
+    the layouts train on (``dhp plan calibrate`` keeps it), else none (measured only); ``--no-profile``: none."""
+    if args.profile or args.no_profile:
+        return args.profile
+    import torch
+
+    from dhp.plan.profile import machine_profile
+
+    device = load_config(config, overrides).train.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    found = machine_profile(device)
+    if found is not None:
+        print(f"dhp bench: predicting each layout's step with this machine's {device} profile, {found} (written by "
+              "`dhp plan calibrate`; --no-profile: measure only)", file=sys.stderr, flush=True)
+    return str(found) if found is not None else None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Train each layout in turn on the same config; bench.json and charts in output.dir. With
     --max-vision-tokens: each layout's largest single image under a per-worker memory budget instead."""
@@ -302,7 +321,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if given:
             raise UsageError(f"{', '.join(given)}: only with --max-vision-tokens")
         run_bench(config, overrides, parse_layouts(args.layouts, args.workers), args.steps, args.warmup,
-                  profile=args.profile)
+                  profile=bench_profile(args, config, overrides))
         return 0
     start = MAX_TOKENS_START if args.vision_tokens_start is None else args.vision_tokens_start
     stop = MAX_TOKENS_STOP if args.vision_tokens_max is None else args.vision_tokens_max
@@ -395,7 +414,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1, help="steps run first and left out (default 1)")
     b.add_argument("--workers", type=int, default=4, help="workers per layout, W/2 per group (default 4)")
     b.add_argument("--profile", default=None, help="a device profile (`dhp plan calibrate`): each layout carries "
-                   "the planner's predicted_step_s beside its measured step time")
+                   "the planner's predicted_step_s beside its measured step time (default: this machine's, where "
+                   "`dhp plan calibrate` has kept one)")
+    b.add_argument("--no-profile", action="store_true", help="measure only: no prediction, not even with this "
+                   "machine's calibrated profile")
     b.add_argument("--max-vision-tokens", action="store_true",
                    help="instead of training: per layout, grow one image until a worker's peak exceeds "
                         "--memory-budget-gb; report the largest that trains (bench.json: max_vision_tokens)")

@@ -14,7 +14,7 @@ from typing import Any
 
 from dhp.observe.devices import Device, get_device
 from dhp.plan.planner import STRATEGIES, Pricing, Row, plan
-from dhp.plan.profile import Profile, roofline
+from dhp.plan.profile import Profile, machine_profile_path, roofline
 
 POOL_LINK_GBS = 50.0  # between pools of a device per group: 400 Gb/s InfiniBand per GPU, one direction
 
@@ -335,11 +335,21 @@ def run_calibrate(args: Any) -> int:
                      log=lambda s: print(s, file=sys.stderr, flush=True), threads=getattr(args, "threads", None),
                      runtime=not getattr(args, "no_runtime", False))
     prof.save(out)
+    mine, kept = machine_profile_path(prof.device_type), True  # the machine's own: `dhp bench` prices with it
+    try:
+        mine.parent.mkdir(parents=True, exist_ok=True)
+        if Path(out).resolve() != mine.resolve():
+            prof.save(mine)
+    except OSError as e:  # a read-only cache: the profile is still where --out says
+        kept = False
+        print(f"dhp: plan calibrate: could not keep a copy as this machine's profile ({mine}: {e})", file=sys.stderr)
     busy = f" ({prof.busy_call_s * 1e3:.2f} ms on a busy host)" if prof.busy_call_s else ""
     ray = f", runtime hop {prof.actor_call_s * 1e3:.2f} ms{busy}" if prof.actor_call_s else ""
     print(f"wrote {out}: {prof.label}; GEMM up to {prof.peak_flops / 1e9:.1f} GFLOP/s, memory "
           f"{prof.hbm_bytes_per_s / 1e9:.1f} GB/s, {prof.cpu_op_s * 1e6:.1f} us per op, "
-          f"{len(prof.collectives)} collective fits{ray}")
+          f"{len(prof.collectives)} collective fits{ray}"
+          + (f"\n  and as this machine's {prof.device_type} profile, {mine} (`dhp bench` predicts every layout's "
+             "step with it when given no --profile)" if kept else ""))
     return 0
 
 

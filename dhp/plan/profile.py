@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,19 @@ def _idw(x: tuple[float, ...], pts: list[tuple[tuple[float, ...], float]], k: in
         return near[0][1]
     w = [1.0 / d**2 for d, _ in near]
     return sum(wi * v for wi, (_, v) in zip(w, near, strict=True)) / sum(w)
+
+
+def machine_profile_path(device_type: str) -> Path:
+    """Where ``dhp plan calibrate`` keeps the profile of this machine's ``device_type`` (``cpu`` or ``cuda``), which
+    ``dhp bench`` prices its layouts with when no ``--profile`` is given: ``$DHP_CACHE/profiles/<device_type>.json``
+    (default ``~/.cache/dhp/profiles``)."""
+    return Path(os.environ.get("DHP_CACHE") or Path.home() / ".cache" / "dhp") / "profiles" / f"{device_type}.json"
+
+
+def machine_profile(device_type: str) -> Path | None:
+    """This machine's calibrated profile of ``device_type`` if ``dhp plan calibrate`` has written one, else None."""
+    path = machine_profile_path(device_type)
+    return path if path.is_file() else None
 
 
 def roofline(dev: Device) -> Profile:

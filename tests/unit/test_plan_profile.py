@@ -170,13 +170,28 @@ def test_a_device_per_group_prices_each_group_on_its_own() -> None:
     assert "L40S" in row.pricing and "link between pools 25 GB/s" in row.pricing
 
 
-def test_calibrate_on_cpu_writes_a_profile_that_plan_reads(tmp_path: Any, capsys: Any) -> None:
+def test_calibrate_on_cpu_writes_a_profile_that_plan_reads(tmp_path: Any, capsys: Any, monkeypatch: Any) -> None:
     """``dhp plan calibrate --quick`` on this machine, then ``dhp plan --profile`` prices a tiny plan with it (Ray's
-    costs left out here: the bench test, which has a Ray running, calibrates them)."""
-    from dhp.cli import main
+    costs left out here: the bench test, which has a Ray running, calibrates them). It also keeps the profile as
+    this machine's (``$DHP_CACHE/profiles/cpu.json``), which ``dhp bench`` predicts with when given no
+    ``--profile`` (``--no-profile``: none)."""
+    import argparse
 
+    from dhp.cli import bench_profile, main
+    from dhp.plan.profile import machine_profile
+
+    monkeypatch.setenv("DHP_CACHE", str(tmp_path / "cache"))
+    args = argparse.Namespace(profile=None, no_profile=False)
+    assert machine_profile("cpu") is None and bench_profile(args, None, ["train.device=cpu"]) is None
     out = tmp_path / "cpu.json"
     assert main(["plan", "calibrate", "--on", "cpu", "--quick", "--no-runtime", "--out", str(out)]) == 0
+    assert "as this machine's cpu profile" in capsys.readouterr().out
+    mine = tmp_path / "cache" / "profiles" / "cpu.json"
+    assert machine_profile("cpu") == mine and mine.read_text() == out.read_text()
+    assert bench_profile(args, None, ["train.device=cpu"]) == str(mine)
+    assert bench_profile(argparse.Namespace(profile=None, no_profile=True), None, []) is None
+    assert bench_profile(argparse.Namespace(profile="x.json", no_profile=False), None, []) == "x.json"
+    assert bench_profile(args, None, ["train.device=cuda"]) is None  # no cuda profile kept
     p = Profile.load(out)
     assert p.source == "calibrated" and p.device_type == "cpu" and not p.async_launch
     assert p.gemm and p.attention and all(g.flops_per_s > 0 for g in p.gemm)
