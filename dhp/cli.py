@@ -472,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--strategies", default=None,
                     help="comma-separated subset of dhp-collocated,dhp-disaggregated,uniform-tp,zero3")
     pl.add_argument("--json", default=None, help="write the rows as JSON here")
-    pl.add_argument("--plot", default=None, help="write a PNG of per-rank peak against the first encoder's tokens here")
+    pl.add_argument("--plot", default=None, help="write a PNG here: per-rank peak against the first encoder's "
+                    "tokens, and each row's step-time breakdown per group at the largest size")
     pl.set_defaults(fn=cmd_plan)
     return p
 

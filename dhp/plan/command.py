@@ -393,8 +393,8 @@ class Heartbeat:
 
 def plot(rows: list[Row], limit: float, path: str) -> None:
     """Two panels: per-rank peak against the first encoder's tokens per strategy (the GPU limit marked), and the
-    step-time breakdown of every row at the largest size (compute, exposed communication, router, optimizer and
-    idle, per group)."""
+    step-time breakdown of every row at the largest size (compute, exposed communication, router, optimizer, data
+    wait and idle, per group; hidden communication hatched over the compute)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -419,11 +419,12 @@ def plot(rows: list[Row], limit: float, path: str) -> None:
 
 
 PARTS = (("compute_s", "compute"), ("comm_exposed_s", "comm exposed"), ("router_s", "router"),
-         ("optimizer_s", "optimizer"), ("idle_s", "idle"))
+         ("optimizer_s", "optimizer"), ("data_wait_s", "data wait"), ("idle_s", "idle"))
 
 
 def breakdown(ax: Any, rows: list[Row], axis: str) -> None:
-    """Stacked seconds per step, one bar per (row, group), the rows at the largest ``axis`` size."""
+    """Stacked seconds per step, one bar per (row, group), the rows at the largest ``axis`` size; the communication
+    hidden behind compute hatched over the compute (it adds no time)."""
     if not rows:
         return
     top = max(r.media_tokens().get(axis, 0) for r in rows)
@@ -435,6 +436,10 @@ def breakdown(ax: Any, rows: list[Row], axis: str) -> None:
         vals = [g.get(key, 0.0) for _, g in bars]
         ax.bar(range(len(bars)), vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    hidden = [g.get("comm_hidden_s", 0.0) for _, g in bars]  # under the compute: drawn over it, not stacked
+    if any(hidden):
+        ax.bar(range(len(bars)), hidden, fill=False, hatch="//", edgecolor="black", linewidth=0.5,
+               label="comm hidden (under compute)")
     ax.set_xticks(range(len(bars)))
     ax.set_xticklabels([n for n, _ in bars], rotation=70, fontsize=6)
     ax.set_ylabel("seconds per step (per rank of the group)")
