@@ -138,8 +138,10 @@ def test_json_schema(tmp_path: Any, capsys: Any) -> None:
 
     out = tmp_path / "plan.json"
     main(["plan", "tiny", "--gpus", "2", "--vision-tokens", "1024", "--text-tokens", "256",
-          "--strategies", "dhp-collocated,uniform-tp", "--json", str(out)])
+          "--strategies", "dhp-collocated,uniform-tp", "--json", str(out), "--plot", str(tmp_path / "plan.png")])
     assert "fastest that fits" in capsys.readouterr().out
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # memory and the time breakdown
+    assert (tmp_path / "plan.png").stat().st_size > 20000
     doc = json.loads(out.read_text())
     assert set(doc) == {"model", "family", "gpus", "gpu_memory_gb", "pricing", "rows", "recommended"}
     assert doc["pricing"].startswith("roofline")  # no --profile: the device table's roofline, said so
