@@ -272,10 +272,24 @@ class Parquet(_Table):
         return out
 
 
-class ArrowDir(_Table):
-    """A directory written by HF ``datasets`` ``save_to_disk``: ``state.json`` listing Arrow stream files."""
+class _ArrowTable(_Table):
+    """Rows of Arrow tables memory-mapped whole (``self._table``): a row is a zero-copy slice."""
 
     kind = "arrow"
+    _table: Any
+
+    def __len__(self) -> int:
+        return self._table.num_rows
+
+    def read(self, k: int) -> Item:
+        return self._rows(self._table.slice(k, 1))[0]
+
+    def read_range(self, start: int, stop: int) -> list[Item]:
+        return self._rows(self._table.slice(start, stop - start))
+
+
+class ArrowDir(_ArrowTable):
+    """A directory written by HF ``datasets`` ``save_to_disk``: ``state.json`` listing Arrow stream files."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
@@ -288,22 +302,13 @@ class ArrowDir(_Table):
         tables = [read_arrow(pa, path / name) for name in names]
         self._table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
-    def __len__(self) -> int:
-        return self._table.num_rows
 
-    def read(self, k: int) -> Item:
-        return self._rows(self._table.slice(k, 1))[0]
-
-    def read_range(self, start: int, stop: int) -> list[Item]:
-        return self._rows(self._table.slice(start, stop - start))
-
-
-class ArrowFile(ArrowDir):
+class ArrowFile(_ArrowTable):
     """One Arrow file (``.arrow``, ``.feather``, ``.ipc``): an HF ``datasets`` cache or shard file (the IPC stream
     format), or the IPC file format (Feather v2) pyarrow and pandas write."""
 
     def __init__(self, path: Path) -> None:
-        _Table.__init__(self, path)
+        super().__init__(path)
         self._table = read_arrow(_pyarrow(path), path)
 
 

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from dhp.errors import UsageError
 from dhp.plan.ops import kernel_class
 from dhp.plan.profile import (
     BURST,
@@ -768,7 +769,8 @@ def _calibrate(device: str | None, quick: bool, extra_gemms: list[tuple[int, int
                log: Callable[[str], None], runtime: bool = True) -> Profile:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("dhp plan calibrate --on cuda: this machine has no CUDA device; use --on cpu")
+        raise UsageError("dhp plan calibrate --on cuda: this machine has no CUDA device; calibrate on a GPU "
+                         "machine, or this one with --on cpu")
     t0 = time.perf_counter()
 
     def say(what: str) -> None:
