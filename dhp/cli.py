@@ -38,36 +38,58 @@ from dhp.errors import (
 )
 
 EMBEDDED = "demo"  # the name of the embedded demo config on the command line
+# the embedded configs (dhp/configs/NAME.yaml, shipped in the package), by name on the command line: a pip install
+# has no configs/ folder to point at; tests/unit/test_cli_help.py holds this equal to the package's files
+EMBEDDED_NAMES = ("demo", "omni_demo", "qwen3_vl_demo", "video_demo")
 # the built-in families' presets, for the help text (written out: the registry imports torch and the families;
 # tests/unit/test_cli_help.py holds it equal to the registry's)
 PRESET_NAMES = ("tiny | 3b | 7b | 32b | 72b | omni-tiny | omni-3b | omni-7b | qwen3-vl-tiny | qwen3-vl-2b | "
                 "qwen3-vl-4b | qwen3-vl-8b | qwen3-vl-32b")
+CONFIG_HELP = f"YAML config file, or an embedded config by name ({', '.join(EMBEDDED_NAMES)})"
 MAX_LISTED_PROBLEMS = 5  # per-sample problems printed under a data error (`dhp data check` lists more)
 
 BASE_RULE = (
     "which config: with no argument at all, the embedded demo (dhp/configs/demo.yaml); otherwise the code "
-    "defaults (dhp/config.py), then CONFIG if given (a YAML file, or `demo` for the embedded demo), then the "
+    "defaults (dhp/config.py), then CONFIG if given (a YAML file, or an embedded config by name: "
+    f"{', '.join(EMBEDDED_NAMES)}), then the "
     "key=value overrides in order. So `dhp train key=val` and `dhp train my.yaml key=val` start from the same "
     "defaults; `dhp train demo key=val` changes the demo."
 )
 
 
+def embedded_config_path(name: str = EMBEDDED) -> Path:
+    """An embedded config (dhp/configs/NAME.yaml, shipped inside the package)."""
+    return Path(str(resources.files("dhp") / "configs" / f"{name}.yaml"))
+
+
 def default_config_path() -> Path:
-    """The embedded default (configs/demo.yaml, shipped inside the package)."""
-    return Path(str(resources.files("dhp") / "configs" / "demo.yaml"))
+    """The embedded default (configs/demo.yaml)."""
+    return embedded_config_path(EMBEDDED)
+
+
+def config_source(config: str | None, overrides: list[str]) -> tuple[str | Path | None, list[str]]:
+    """Which config file a command starts from, and its overrides (``BASE_RULE``): no argument at all, the
+    embedded demo; a first argument with ``=`` that is no file, an override; an embedded config's name that is no
+    file here, that config. A name that is neither a file nor an embedded config is a usage error that lists
+    them."""
+    overrides = list(overrides)
+    if config is None and not overrides:
+        return default_config_path(), overrides
+    if config is not None and "=" in config and not Path(config).exists():
+        return None, [config, *overrides]  # `dhp train key=value` with no file
+    if config is None or Path(config).exists():
+        return config, overrides
+    name = config.removesuffix(".yaml").removesuffix(".yml")
+    if name in EMBEDDED_NAMES and "/" not in config:
+        return embedded_config_path(name), overrides
+    raise UsageError(f"config file {config} does not exist"
+                     + ("" if Path(config).is_absolute() else f" (relative to the current directory {Path.cwd()})")
+                     + f"; the embedded configs, by name: {', '.join(EMBEDDED_NAMES)}")
 
 
 def _config(args: argparse.Namespace):
     """The config of ``dhp train`` / ``dhp data check`` (``BASE_RULE``)."""
-    config, overrides = args.config, list(args.overrides)
-    if config is None and not overrides:
-        return load_config(default_config_path())
-    if config is not None and "=" in config and not Path(config).exists():
-        overrides.insert(0, config)  # `dhp train key=value` with no file
-        config = None
-    if config == EMBEDDED and not Path(config).exists():
-        config = default_config_path()
-    return load_config(config, overrides)
+    return load_config(*config_source(args.config, args.overrides))
 
 
 class EarlySignals:
@@ -304,14 +326,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     --max-vision-tokens: each layout's largest single image under a per-worker memory budget instead."""
     from dhp.bench import check_max_tokens_args, parse_layouts, run_bench, run_max_vision_tokens
 
-    config, overrides = args.config, list(args.overrides)
-    if config is None and not overrides:
-        config = default_config_path()
-    elif config is not None and "=" in config and not Path(config).exists():
-        overrides.insert(0, config)
-        config = None
-    elif config == EMBEDDED and not Path(config).exists():
-        config = default_config_path()
+    config, overrides = config_source(args.config, args.overrides)
     if args.steps < 1 or args.warmup < 0:
         raise UsageError("--steps must be >= 1 and --warmup >= 0")
     search_flags = {"--memory-budget-gb": args.memory_budget_gb, "--vision-tokens-start": args.vision_tokens_start,
@@ -372,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train (no argument: the embedded demo)", parents=[common],
                        description=f"Train a model.\n\n{rule}", epilog=_epilog(), formatter_class=fmt)
-    t.add_argument("config", nargs="?", help="YAML config file, or `demo` (the embedded dhp/configs/demo.yaml)")
+    t.add_argument("config", nargs="?", help=CONFIG_HELP)
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=1e-4")
     t.set_defaults(fn=cmd_train)
     i = sub.add_parser("info", help="parameter counts of a preset (built on the meta device) or an HF directory",
@@ -391,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description=f"Validate the training data as `dhp train` would, every image read through "
                           f"(data.validate=full unless given).\n\n{rule}",
                           epilog=_epilog(), formatter_class=fmt)
-    chk.add_argument("config", nargs="?", help="YAML config file, or `demo` (the embedded dhp/configs/demo.yaml)")
+    chk.add_argument("config", nargs="?", help=CONFIG_HELP)
     chk.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.path=train.jsonl")
     chk.set_defaults(fn=cmd_data_check)
     ex = sub.add_parser("export", help="write a Hugging Face directory from a training checkpoint", parents=[common],
@@ -406,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="train several layouts in turn on the same config and compare them",
                        parents=[common], description=f"Measure layouts side by side (Ray backend).\n\n{rule}",
                        epilog=_epilog(), formatter_class=fmt)
-    b.add_argument("config", nargs="?", help="YAML config file, or `demo` (the embedded dhp/configs/demo.yaml)")
+    b.add_argument("config", nargs="?", help=CONFIG_HELP)
     b.add_argument("overrides", nargs="*", help="dotted key=value overrides shared by every layout")
     b.add_argument("--layouts", default="dhp,uniform_tp,fsdp",
                    help="comma-separated: dhp, uniform_tp, fsdp, or name=key=value;key=value (default: all three)")

@@ -716,7 +716,7 @@ class InlineMedia:
         self.data, self.name = data, name
 
     def __str__(self) -> str:
-        return f"{self.name or 'inline image'} (inline bytes)"
+        return f"{self.name} (inline bytes)" if self.name else "(inline bytes in the data file)"
 
     __repr__ = __str__
 
@@ -744,10 +744,14 @@ def _failure(handle: Any) -> OSError | None:
 
 
 class _NamedBytes(io.BytesIO):
+    """Inline bytes as a file object that messages name by the medium's label (PIL's errors take its ``repr``)."""
+
     label = ""
 
     def __str__(self) -> str:
         return self.label
+
+    __repr__ = __str__
 
 
 def _local_image(path: Any, image_root: AnyPath, what: str = "image") -> AnyPath | InlineMedia:

@@ -1,13 +1,17 @@
-"""The CLI's help names every built-in family's presets: the list is written out in ``dhp.cli`` (the registry
-imports torch and the families, which a ``--help`` should not wait for), so this holds it to the registry."""
+"""The CLI's help names every built-in family's presets and every embedded config: both lists are written out in
+``dhp.cli`` (the registry imports torch and the families, which a ``--help`` should not wait for), so this holds
+them to the registry and to the package's files."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dhp.cli import PRESET_NAMES, main
+from dhp.cli import EMBEDDED_NAMES, PRESET_NAMES, config_source, default_config_path, main
+from dhp.config import load_config
+from dhp.errors import UsageError
 from dhp.models.registry import builtin_names, get_family
 
 
@@ -20,3 +24,29 @@ def test_the_help_lists_every_builtin_preset(command: str, capsys: Any, monkeypa
         main([command, "--help"])
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help's lines
     assert all(p in shown for p in presets), [p for p in presets if p not in shown]
+
+
+def test_every_embedded_config_loads_by_name(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)  # a pip install: no configs/ folder beside the user
+    shipped = sorted(p.stem for p in default_config_path().parent.glob("*.yaml"))
+    assert sorted(EMBEDDED_NAMES) == shipped
+    families = {}
+    for name in EMBEDDED_NAMES:
+        path, overrides = config_source(name, ["train.steps=7"])
+        cfg = load_config(path, overrides)
+        assert cfg.train.steps == 7 and Path(path).name == f"{name}.yaml"
+        families[name] = cfg.model.family
+    assert families["omni_demo"] == "qwen2_5_omni" and families["qwen3_vl_demo"] == "qwen3_vl"
+    (tmp_path / "omni_demo.yaml").write_text("train:\n  steps: 3\n")  # a file of that name here wins
+    assert load_config(*config_source("omni_demo.yaml", [])).train.steps == 3
+    assert config_source(None, ["train.lr=1"]) == (None, ["train.lr=1"])
+    assert config_source("train.lr=1", ["train.steps=2"]) == (None, ["train.lr=1", "train.steps=2"])
+
+
+def test_an_unknown_config_name_lists_the_embedded_ones(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError) as e:
+        config_source("omni_dmo", [])
+    assert "omni_dmo does not exist" in str(e.value) and all(n in str(e.value) for n in EMBEDDED_NAMES)
+    with pytest.raises(UsageError):
+        config_source("sub/omni_demo.yaml", [])  # a path is a path: never the embedded one

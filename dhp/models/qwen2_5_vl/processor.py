@@ -257,8 +257,9 @@ class Images(Media):
                 elif verify:
                     img.verify()
         except Exception as e:  # PIL raises many types for corrupt files
-            raise MediaError(f"image {source} is unreadable or corrupt ({type(e).__name__}: {e}); replace the "
-                             "file") from None
+            fix = "the cell's bytes" if "(inline bytes" in str(source) else "the file"
+            raise MediaError(f"image {source} is unreadable or corrupt ({type(e).__name__}: {e}); replace {fix}") \
+                from None
         try:
             return self.grid_of(width, height, self.min_pixels, self.max_pixels)
         except ValueError as e:
