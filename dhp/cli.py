@@ -517,8 +517,22 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line. ``key=value`` overrides may follow the flags as well as precede them (``dhp bench
+    demo --steps 3 train.lr=1e-4``): argparse ends a positional list at the first flag, so the words after it that
+    are overrides join the command's overrides, in order; anything else left over is the usual usage error."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def _run(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     debug = _debug_wanted(args)
     _ray_startup_messages(show=debug)
     try:

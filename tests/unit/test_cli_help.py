@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dhp.cli import EMBEDDED_NAMES, PRESET_NAMES, config_source, default_config_path, main
+from dhp.cli import EMBEDDED_NAMES, PRESET_NAMES, config_source, default_config_path, main, parse_command_line
 from dhp.config import load_config
 from dhp.errors import UsageError
 from dhp.models.registry import builtin_names, get_family
@@ -50,3 +50,16 @@ def test_an_unknown_config_name_lists_the_embedded_ones(tmp_path: Path, monkeypa
     assert "omni_dmo does not exist" in str(e.value) and all(n in str(e.value) for n in EMBEDDED_NAMES)
     with pytest.raises(UsageError):
         config_source("sub/omni_demo.yaml", [])  # a path is a path: never the embedded one
+
+
+def test_overrides_may_follow_the_flags() -> None:
+    args = parse_command_line(["bench", "demo", "--steps", "3", "train.lr=1e-4", "--layouts", "dhp", "a.b=2"])
+    assert (args.config, args.overrides, args.steps, args.layouts) == ("demo", ["train.lr=1e-4", "a.b=2"], 3, "dhp")
+    args = parse_command_line(["train", "demo", "x.y=1", "--debug", "y.z=2"])
+    assert args.overrides == ["x.y=1", "y.z=2"] and args.debug
+    args = parse_command_line(["data", "check", "--debug", "data.max_length=4", "data.min_pixels=9"])
+    assert config_source(args.config, args.overrides) == (None, ["data.max_length=4", "data.min_pixels=9"])
+    for argv in (["bench", "demo", "--stepz", "2", "a.b=1"], ["plan", "tiny", "--gpus", "2", "a.b=1"]):
+        with pytest.raises(SystemExit) as e:  # an unknown flag, or an override where a command takes none
+            parse_command_line(argv)
+        assert e.value.code == 2
