@@ -537,7 +537,8 @@ class Run:
         cfg, out, family, inputs = self.cfg, self.out, self.family, self.inputs
         warm = rows[1:] or rows
         summary = {
-            "steps": cfg.train.steps, "time_s": elapsed, "final_loss": rows[-1]["loss"] if rows else None,
+            "steps": cfg.train.steps, "steps_this_run": len(rows), "time_s": elapsed,
+            "final_loss": rows[-1]["loss"] if rows else None,
             "tokens_per_s_after_warmup": (sum(r["tokens"] for r in warm) / sum(r["step_time_s"] for r in warm))
             if warm else None,
             "peak_memory_gb": {m: max((r.get(f"memory_gb_{m}", 0.0) for r in rows), default=0.0)
@@ -616,7 +617,10 @@ def train(cfg: Config) -> dict:
 
 def print_summary(summary: dict) -> None:
     loss = summary["final_loss"]
-    print(f"dhp: done, {summary['steps']} steps in {summary['time_s']:.1f} s"
+    ran = summary.get("steps_this_run", summary["steps"])
+    steps = (f"{summary['steps']} steps" if ran == summary["steps"]
+             else f"step {summary['steps']} ({ran} step{'s' if ran != 1 else ''} this run, after a resume)")
+    print(f"dhp: done, {steps} in {summary['time_s']:.1f} s"
           + (f", final loss {loss:.4f}" if loss is not None else "")
           + (f", {summary['tokens_per_s_after_warmup']:.0f} tokens/s after the first step"
              if summary.get("tokens_per_s_after_warmup") else ""))

@@ -28,6 +28,7 @@ def test_changed_schedule_is_refused_unless_allowed(base, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *base, "data.eval_samples=0"]) == 0
     printed = capsys.readouterr().out
+    assert "dhp: done, 2 steps in " in printed
     assert "data.eval_samples=0: evaluation skipped" in printed and "eval exact-match" not in printed
     assert "eval" not in json.loads((out / "summary.json").read_text())
 
@@ -48,6 +49,8 @@ def test_changed_schedule_is_refused_unless_allowed(base, tmp_path, capsys):
     assert lrs[2] == pytest.approx(expected)
     assert "train.steps 2 -> 3" in printed and f"from step 3 of 3: learning rate {expected:.3g}" in printed
     assert "it had ended at step 2" in printed
+    assert "dhp: done, step 3 (1 step this run, after a resume) in " in printed
+    assert json.loads((out / "summary.json").read_text())["steps_this_run"] == 1
 
 
 def test_other_data_is_named_by_file(base, demo_data, tmp_path, capsys):
