@@ -108,6 +108,29 @@ def read_record(ckpt: str | AnyPath) -> dict[str, Any]:
     return record
 
 
+def resolve_checkpoint(path: str | AnyPath, log: Any = print) -> AnyPath:
+    """The checkpoint ``path`` names: a checkpoint directory itself, or a run's ``output.dir`` (or its
+    ``checkpoints/`` folder), whose newest complete and intact checkpoint it means (said through ``log``); a
+    CheckpointError naming the path and what to give otherwise."""
+    given = location(path)
+    if (given / COMPLETE).is_file():
+        return given
+    run = given.parent if given.name == "checkpoints" else given
+    if checkpoints_dir(run).is_dir():
+        found = latest(run, log)
+        if found is None:
+            raise CheckpointError(f"{checkpoints_dir(run)}: no complete checkpoint in this run")
+        log(f"dhp: {path}: the run's newest complete checkpoint, {found[0].name}")
+        return found[0]
+    what = "give a checkpoint (output.dir/checkpoints/step_N) or a run's output.dir (its newest checkpoint)"
+    if not given.is_dir():
+        raise CheckpointError(f"{path}: no such directory; {what}")
+    if not (given / RECORD).is_file():
+        raise CheckpointError(f"{path}: neither a checkpoint (no {RECORD}) nor a run's output.dir (no checkpoints/); "
+                              f"{what}")
+    return given  # a checkpoint whose save did not finish: read_record says so
+
+
 def complete_checkpoints(out: AnyPath) -> list[AnyPath]:
     """Checkpoint directories with a completion marker, oldest first."""
     root = checkpoints_dir(out)

@@ -361,16 +361,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     """A Hugging Face directory from a training checkpoint, written shard by shard (never the whole model at once)."""
     import torch
 
-    from dhp.checkpoint import export_adapter, export_checkpoint
+    from dhp.checkpoint import export_adapter, export_checkpoint, resolve_checkpoint
 
+    ckpt = resolve_checkpoint(args.checkpoint)  # a checkpoint, or a run's output.dir: its newest
     if getattr(args, "adapter", False):  # LoRA adapters only, as PEFT writes them (docs/lora.md)
-        out = export_adapter(args.checkpoint, args.out)
-        print(f"dhp: exported the LoRA adapters of {args.checkpoint} to {out} (adapter_config.json, "
+        out = export_adapter(ckpt, args.out)
+        print(f"dhp: exported the LoRA adapters of {ckpt} to {out} (adapter_config.json, "
               "adapter_model.safetensors: peft.PeftModel.from_pretrained loads them onto the base model)")
         return 0
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    out = export_checkpoint(args.checkpoint, args.out, dtype)  # paths or URLs (s3://...: dhp/storage.py)
-    print(f"dhp: exported {args.checkpoint} to {out} (config.json with the bos/eos/pad ids, safetensors, the "
+    out = export_checkpoint(ckpt, args.out, dtype)  # paths or URLs (s3://...: dhp/storage.py)
+    print(f"dhp: exported {ckpt} to {out} (config.json with the bos/eos/pad ids, safetensors, the "
           "tokenizer, and the source checkpoint's processor, chat template and generation config)")
     return 0
 
@@ -411,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     chk.set_defaults(fn=cmd_data_check)
     ex = sub.add_parser("export", help="write a Hugging Face directory from a training checkpoint", parents=[common],
                         epilog=_epilog(), formatter_class=fmt)
-    ex.add_argument("checkpoint", help="a checkpoint directory, e.g. outputs/run/checkpoints/step_000120")
+    ex.add_argument("checkpoint", help="a checkpoint directory, e.g. outputs/run/checkpoints/step_000120, or a "
+                    "run's output.dir (its newest complete checkpoint)")
     ex.add_argument("out", help="the Hugging Face directory to write")
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="cast floating-point weights (default: as trained)")

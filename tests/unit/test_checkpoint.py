@@ -165,3 +165,37 @@ def test_export_shards_a_large_model_with_an_index(uninterrupted, tmp_path):
         parts.update(load_file(str(out / f)))
     assert parts.keys() == whole.keys()
     assert all(torch.equal(parts[k], whole[k]) for k in whole)
+
+
+def _checkpoint(path: Path, complete: bool = True) -> Path:
+    path.mkdir(parents=True)
+    (path / checkpoint.RECORD).write_text(json.dumps({"files": {}}))
+    if complete:
+        (path / checkpoint.COMPLETE).write_text("")
+    return path
+
+
+def test_export_takes_a_checkpoint_or_a_run_directory(tmp_path):
+    """`dhp export RUN_DIR OUT`: a run's output.dir (or its checkpoints/) means its newest complete checkpoint; a
+    path that is neither says what to give."""
+    run_dir = tmp_path / "run"
+    older = _checkpoint(run_dir / "checkpoints" / "step_000004")
+    newest = _checkpoint(run_dir / "checkpoints" / "step_000008")
+    _checkpoint(run_dir / "checkpoints" / "step_000012", complete=False)  # a save that did not finish
+    said = []
+    assert checkpoint.resolve_checkpoint(older) == older
+    assert checkpoint.resolve_checkpoint(str(run_dir), said.append) == newest
+    assert said[-1] == f"dhp: {run_dir}: the run's newest complete checkpoint, step_000008"
+    assert checkpoint.resolve_checkpoint(run_dir / "checkpoints", said.append) == newest
+    with pytest.raises(CheckpointError, match="no such directory; give a checkpoint"):
+        checkpoint.resolve_checkpoint(tmp_path / "nope")
+    (tmp_path / "data").mkdir()
+    with pytest.raises(CheckpointError, match=r"neither a checkpoint \(no trainer.json\) nor a run's output.dir"):
+        checkpoint.resolve_checkpoint(tmp_path / "data")
+    unfinished = run_dir / "checkpoints" / "step_000012"
+    assert checkpoint.resolve_checkpoint(unfinished) == unfinished  # read_record then names it incomplete
+    with pytest.raises(CheckpointError, match="no COMPLETE marker"):
+        checkpoint.read_record(unfinished)
+    (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="no complete checkpoint in this run"):
+        checkpoint.resolve_checkpoint(tmp_path / "empty_run")
