@@ -352,8 +352,15 @@ def cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir}: no such directory; give a run's output.dir")
-    for path in make_report(run_dir, Path(args.out) if args.out else None):
-        print(f"dhp: wrote {path}")
+    runs = {"": run_dir}
+    if not (run_dir / "metrics.jsonl").is_file() and (run_dir / "bench.json").is_file():
+        # a `dhp bench` output.dir: one run per layout, each in its own folder; a report of each
+        runs = {d.name: d for d in sorted(run_dir.iterdir()) if (d / "metrics.jsonl").is_file()}
+        print(f"dhp: {run_dir} holds a dhp bench: a report of each layout ({', '.join(runs) or 'none ran a step'})")
+    for name, d in runs.items():
+        out = Path(args.out) / name if args.out else None
+        for path in make_report(d, out):
+            print(f"dhp: wrote {path}")
     return 0
 
 
@@ -447,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=cmd_bench)
     rp = sub.add_parser("report", help="PNG plots of a run (loss, lr, tokens/s, MFU, memory, timeline)",
                         parents=[common], epilog=_epilog(), formatter_class=fmt)
-    rp.add_argument("run_dir", help="a run's output.dir (metrics.jsonl, and trace.json if written)")
+    rp.add_argument("run_dir", help="a run's output.dir (metrics.jsonl, and trace.json if written), or a dhp "
+                    "bench's (a report of each layout)")
     rp.add_argument("--out", default=None, help="where the PNGs go (default: RUN_DIR/plots)")
     rp.set_defaults(fn=cmd_report)
     pl = sub.add_parser("plan", help="predict memory and speed of every layout from fake runs of the real code",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 from dhp.cli import main
 
@@ -21,3 +22,13 @@ def test_report_writes_pngs(demo_overrides, tmp_path, capsys):
         png = run / "plots" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
     assert main(["report", str(tmp_path / "missing")]) == 2
+    # a `dhp bench` directory (bench.json, a run per layout): a report of each layout, under --out/<layout>
+    bench = tmp_path / "bench"
+    for layout in ("dhp", "fsdp"):
+        shutil.copytree(run, bench / layout, ignore=shutil.ignore_patterns("plots", "checkpoints"))
+    (bench / "bench.json").write_text("{}")
+    capsys.readouterr()
+    assert main(["report", str(bench), "--out", str(tmp_path / "plots")]) == 0
+    assert "a report of each layout (dhp, fsdp)" in capsys.readouterr().out
+    assert all((tmp_path / "plots" / layout / "loss_lr.png").is_file() for layout in ("dhp", "fsdp"))
+    assert main(["report", str(bench / "dhp" / "checkpoints")]) == 2  # neither a run nor a bench
