@@ -271,6 +271,7 @@ class Run:
             from dhp.backends.ray_backend import resolve_worker_gpus
 
             self.inputs = resolve_worker_gpus(self.inputs)  # runtime.gpus_per_worker=auto: what the cluster has
+        self._check_attention()
         print(f"dhp: starting the {self.cfg.runtime.backend} backend: {self._groups_text()}", flush=True)
         print(f"dhp: {self._precision_text()}", flush=True)
         self.backend = make_backend(self.inputs, self.dataset, self.dataset_spec)
@@ -285,19 +286,31 @@ class Run:
                   + ")", flush=True)
         return step
 
+    def _device_type(self) -> str:
+        """``cuda`` or ``cpu``: where the groups compute (Ray: ``runtime.gpus_per_worker`` as resolved)."""
+        rt = self.inputs.cfg.runtime
+        if rt.backend == "ray":
+            return "cuda" if float(rt.gpus_per_worker) > 0 else "cpu"
+        from dhp.backends.local import local_device
+
+        return local_device(self.cfg.train.device).split(":")[0]
+
     def _precision_text(self) -> str:
         """``train.dtype`` as the groups' device resolves it (auto: bfloat16 on CUDA, float32 on the CPU), and
         ``train.precision``: what the weights and optimizer state are held in."""
-        rt = self.inputs.cfg.runtime
-        if rt.backend == "ray":
-            device = "cuda" if float(rt.gpus_per_worker) > 0 else "cpu"
-        else:
-            from dhp.backends.local import local_device
-
-            device = local_device(self.cfg.train.device).split(":")[0]
-        t = self.cfg.train
+        device, t = self._device_type(), self.cfg.train
         return (f"compute dtype {compute_dtype(t, device)} on {device} (train.dtype={t.dtype}), "
                 f"train.precision={t.precision}")
+
+    def _check_attention(self) -> None:
+        """``train.attention=varlen`` where its kernels cannot run: a config error before any worker starts (the
+        attention itself would stop at the first step, ``dhp.ops.attention.attention_kernel``)."""
+        t, device = self.cfg.train, self._device_type()
+        dtype = compute_dtype(t, device)
+        if t.attention == "varlen" and (device != "cuda" or dtype not in ("bfloat16", "float16")):
+            raise ConfigError(f"train.attention=varlen: its kernels run on CUDA in bfloat16/float16, this run "
+                              f"computes on {device} in {dtype}; use train.attention=auto or sdpa"
+                              + (" (or train.dtype=bfloat16)" if device == "cuda" else ""))
 
     def _groups_text(self) -> str:
         return groups_text(self.inputs.cfg, self.family.module_names)

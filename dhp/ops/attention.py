@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dhp.errors import ConfigError
+
 
 @contextmanager
 def host_metadata() -> Iterator[None]:
@@ -151,7 +153,7 @@ def attention_kernel(choice: str, q: torch.Tensor) -> str:
     if choice == "varlen":
         why = ("no varlen kernel is installed (torch.nn.attention.varlen or flash_attn)" if usable else
                f"its kernels run on CUDA in bfloat16/float16, this attention runs on {q.device.type} in {q.dtype}")
-        raise ValueError(f"train.attention=varlen: {why}; use train.attention=auto or sdpa"
+        raise ConfigError(f"train.attention=varlen: {why}; use train.attention=auto or sdpa"
                          + ("" if usable else " (or train.dtype=bfloat16 on a GPU)"))
     return "sdpa"
 

@@ -68,6 +68,9 @@ def _rows(demo_data, tmp_path, base):
         ("data demo into a non-empty folder", ["data", "demo", str(demo_out)], "is not empty", EXIT_CONFIG),
         ("data check of a broken file", ["data", "check", *no_data, f"data.path={broken}"], "problem(s) in 3",
          EXIT_DATA),
+        ("varlen attention on the CPU", ["train", *base, "train.attention=varlen"],
+         "config error: train.attention=varlen: its kernels run on CUDA in bfloat16/float16, this run computes on "
+         "cpu in float32", EXIT_CONFIG),
     ]
 
 
@@ -75,7 +78,8 @@ ROWS = ["missing data file", "image_root that does not exist", "image_root that 
         "data.max_length too small", "unknown model.preset", "model.hf_path without config.json",
         "model.hf_path that does not exist", "data.tokenizer without tokenizer.json",
         "dhp info with a path that does not exist", "on_error=skip leaving no sample", "a bad value",
-        "a config file that does not exist", "data demo into a non-empty folder", "data check of a broken file"]
+        "a config file that does not exist", "data demo into a non-empty folder", "data check of a broken file",
+        "varlen attention on the CPU"]
 
 
 @pytest.mark.parametrize("name", ROWS)
