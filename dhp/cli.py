@@ -77,11 +77,13 @@ def config_source(config: str | None, overrides: list[str]) -> tuple[str | Path 
         return default_config_path(), overrides
     if config is not None and "=" in config and not Path(config).exists():
         return None, [config, *overrides]  # `dhp train key=value` with no file
-    if config is None or Path(config).exists():
+    if config is None or Path(config).is_file():
         return config, overrides
     name = config.removesuffix(".yaml").removesuffix(".yml")
     if name in EMBEDDED_NAMES and "/" not in config:
         return embedded_config_path(name), overrides
+    if Path(config).exists():
+        raise UsageError(f"config {config} is a directory, not a YAML config file")
     raise UsageError(f"config file {config} does not exist"
                      + ("" if Path(config).is_absolute() else f" (relative to the current directory {Path.cwd()})")
                      + f"; the embedded configs, by name: {', '.join(EMBEDDED_NAMES)}")

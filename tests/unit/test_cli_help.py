@@ -39,6 +39,10 @@ def test_every_embedded_config_loads_by_name(tmp_path: Path, monkeypatch: Any) -
     assert families["omni_demo"] == "qwen2_5_omni" and families["qwen3_vl_demo"] == "qwen3_vl"
     (tmp_path / "omni_demo.yaml").write_text("train:\n  steps: 3\n")  # a file of that name here wins
     assert load_config(*config_source("omni_demo.yaml", [])).train.steps == 3
+    (tmp_path / "demo").mkdir()  # a folder (a run's output) named as an embedded config: the config
+    assert config_source("demo", []) == (default_config_path(), [])
+    with pytest.raises(UsageError, match="is a directory, not a YAML config file"):
+        config_source(str(tmp_path / "demo"), [])
     assert config_source(None, ["train.lr=1"]) == (None, ["train.lr=1"])
     assert config_source("train.lr=1", ["train.steps=2"]) == (None, ["train.lr=1", "train.steps=2"])
 
