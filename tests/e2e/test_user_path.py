@@ -140,12 +140,16 @@ def test_readme_fine_tuning_line_then_export_is_a_drop_in_copy(hf_checkpoint, de
     assert rc == 0, capsys.readouterr().err
     assert "on cpu (one process)" in capsys.readouterr().out  # the start line names each group's device
     assert_drop_in(out / "final", hf_checkpoint, "float32")
-    (export,) = readme_commands("dhp export")
+    exports = [c for c in readme_commands("dhp export") if "--adapter" not in c]
+    by_checkpoint = [c for c in exports if c[2].startswith("outputs/run/checkpoints/")]
+    by_run = [c for c in exports if c[2] == "outputs/run"]  # a run's directory: its newest complete checkpoint
+    assert len(by_checkpoint) == 1 and len(by_run) == 1 and len(exports) == 2, exports
     ckpt = out / "checkpoints" / "step_000002"
-    argv = [str(ckpt) if a.startswith("outputs/run/checkpoints/") else str(tmp_path / a) if a == "hf_out" else a
-            for a in export[1:]]
-    assert main(argv) == 0
-    assert_drop_in(tmp_path / "hf_out", hf_checkpoint, "bfloat16")
+    for export, dtype in ((by_checkpoint[0], "bfloat16"), (by_run[0], "float32")):
+        argv = [str(ckpt) if a.startswith("outputs/run/checkpoints/") else str(out) if a == "outputs/run"
+                else str(tmp_path / f"{a}_{dtype}") if a == "hf_out" else a for a in export[1:]]
+        assert main(argv) == 0
+        assert_drop_in(tmp_path / f"hf_out_{dtype}", hf_checkpoint, dtype)
 
 
 def test_export_of_a_preset_run_writes_qwen_ids_from_its_tokenizer(demo_overrides, demo_data, tmp_path):
