@@ -21,6 +21,10 @@ separate workers (disaggregated):
 * ``uniform_tp``: vision TP W/2, text TP W/2 (the uniform tensor-parallel baseline);
 * ``fsdp``: vision and text data parallel W/2 with ZeRO-3 (FSDP2).
 
+With ``--workers 2`` (a machine of two devices), the same three collocated, both groups on the two workers
+(degree 2 each, taking turns), as the reference implementation lays dhp out: W/2 per group would leave every
+layout one worker per group, the three alike. Layouts given as ``name=key=value;...`` need no default.
+
 PNG bar charts are written beside ``bench.json``.
 
 ``--max-vision-tokens --memory-budget-gb G``: instead, for each layout, the largest single image whose
@@ -43,13 +47,19 @@ if TYPE_CHECKING:
     from dhp.plan.measure import GroupJob
 
 GiB = 1024**3
+DEFAULT_NAMES = ("dhp", "uniform_tp", "fsdp")  # ``default_layouts``' names
 
 
 def default_layouts(workers: int) -> dict[str, list[str]]:
-    if workers < 4 or workers % 2:
-        raise ConfigError(f"--workers {workers}: the default layouts need an even number >= 4 (W/2 per group)")
-    h = workers // 2
-    common = ["runtime.placement=disaggregated", "runtime.encoders_ahead=1"]
+    """The named layouts of ``--workers W`` (module docstring): W/2 per group on separate workers, or for W = 2
+    both groups collocated on the two."""
+    if workers < 2 or workers % 2:
+        raise ConfigError(f"--workers {workers}: the default layouts need an even number of workers (W/2 per "
+                          "group, or 2 collocated); give other counts' layouts as name=key=value;key=value")
+    collocated = workers == 2
+    h = workers if collocated else workers // 2
+    common = (["runtime.placement=collocated"] if collocated
+              else ["runtime.placement=disaggregated", "runtime.encoders_ahead=1"])
     plain = {"dp": 1, "sp": 1, "tp": 1, "zero": 0}
 
     def layout(vision: dict, text: dict) -> list[str]:
@@ -67,8 +77,8 @@ def default_layouts(workers: int) -> dict[str, list[str]]:
 
 
 def parse_layouts(spec: str, workers: int) -> dict[str, list[str]]:
-    """``dhp,uniform_tp,fsdp`` (names of the default layouts) and/or ``name=key=value;key=value``."""
-    known = default_layouts(workers)
+    """``dhp,uniform_tp,fsdp`` (names of the default layouts) and/or ``name=key=value;key=value`` (which needs no
+    default layout: any worker count)."""
     out: dict[str, list[str]] = {}
     for item in (x.strip() for x in spec.split(",")):
         if not item:
@@ -80,10 +90,10 @@ def parse_layouts(spec: str, workers: int) -> dict[str, list[str]]:
             if not overrides or bad:
                 raise ConfigError(f"--layouts: {item!r}: a layout is name=key=value;key=value (got {bad or rest!r})")
             out[name] = overrides
-        elif name in known:
-            out[name] = known[name]
+        elif name in DEFAULT_NAMES:
+            out[name] = default_layouts(workers)[name]
         else:
-            raise ConfigError(f"--layouts: unknown layout {name!r}; known: {', '.join(known)}, or give "
+            raise ConfigError(f"--layouts: unknown layout {name!r}; known: {', '.join(DEFAULT_NAMES)}, or give "
                               "name=key=value;key=value")
     if not out:
         raise ConfigError("--layouts: no layout given")

@@ -438,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: dhp, uniform_tp, fsdp, or name=key=value;key=value (default: all three)")
     b.add_argument("--steps", type=int, default=3, help="measured steps per layout (default 3)")
     b.add_argument("--warmup", type=int, default=1, help="steps run first and left out (default 1)")
-    b.add_argument("--workers", type=int, default=4, help="workers per layout, W/2 per group (default 4)")
+    b.add_argument("--workers", type=int, default=4, help="workers per layout of the named defaults: W/2 per group, "
+                   "disaggregated; 2: both groups collocated on the two (default 4)")
     b.add_argument("--profile", default=None, help="a device profile (`dhp plan calibrate`): each layout carries "
                    "the planner's predicted_step_s beside its measured step time (default: this machine's, where "
                    "`dhp plan calibrate` has kept one)")

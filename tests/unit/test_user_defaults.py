@@ -143,3 +143,26 @@ def test_plan_says_it_is_at_work(capsys):
     assert err[0] == "dhp: plan: 7b on 8 GPUs; this can take minutes"
     assert any(line.startswith("dhp: plan: still measuring, ") for line in err[1:-1])
     assert err[-1].startswith("dhp: plan: measured in ")
+
+
+def test_bench_layouts_for_two_workers_and_any_count_of_custom_ones():
+    """`dhp bench --workers 2` (a two-device machine): the three default layouts collocated at degree 2, not
+    refused; a custom layout needs no default (any worker count); an odd count's defaults are refused."""
+    from dhp.bench import default_layouts, parse_layouts
+    from dhp.config import ConfigError
+
+    two = default_layouts(2)
+    assert all("runtime.placement=collocated" in v for v in two.values())
+    assert {"vision.parallel.sp=2", "text.parallel.tp=2"} <= set(two["dhp"])
+    assert {"vision.parallel.tp=2", "text.parallel.tp=2"} <= set(two["uniform_tp"])
+    assert {"vision.parallel.dp=2", "vision.parallel.zero=3", "text.parallel.dp=2", "text.parallel.zero=3"} <= set(
+        two["fsdp"])
+    four = default_layouts(4)
+    assert all("runtime.placement=disaggregated" in v for v in four.values())
+    assert {"vision.parallel.sp=2", "text.parallel.tp=2"} <= set(four["dhp"])
+    custom = parse_layouts("mine=vision.parallel.dp=3;text.parallel.dp=3", 3)
+    assert custom == {"mine": ["vision.parallel.dp=3", "text.parallel.dp=3"]}
+    with pytest.raises(ConfigError, match="--workers 3: the default layouts need an even number"):
+        parse_layouts("dhp,mine=vision.parallel.dp=3", 3)
+    with pytest.raises(ConfigError, match="unknown layout 'dhpp'; known: dhp, uniform_tp, fsdp"):
+        parse_layouts("dhpp", 4)
