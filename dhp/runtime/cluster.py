@@ -44,8 +44,30 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     if address in (None, "local"):
         init_local_ray(num_cpus=num_cpus, log_to_driver=True)
     else:
+        check_reachable(address)
         ray.init(address=address)  # resources belong to the cluster; num_cpus is not allowed when joining
     return True
+
+
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A cluster address (``host:port``, ``ray://host:port``) that nothing answers at is a ConfigError now: Ray
+    itself retries such an address for minutes (seen: still waiting after 2 minutes for a refused port). Other
+    forms (``auto``) are Ray's to resolve."""
+    import socket
+
+    from dhp.errors import ConfigError
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        where = ("runtime.ray_address" if address != os.environ.get("RAY_ADDRESS") else "RAY_ADDRESS")
+        raise ConfigError(f"{where}={address}: no Ray cluster answers there ({type(e).__name__}: {e}); start one "
+                          "(`ray start --head` on its head node), give its head's address (host:6379), or unset "
+                          f"{where} for a local Ray") from None
 
 
 def init_local_ray(num_cpus: int | None = None, **init_kwargs: Any) -> str:
