@@ -630,9 +630,12 @@ def media_exists(source: AnyPath, timeout_s: float = MEDIA_TIMEOUT_S) -> bool:
 
 
 def check_writable(out: AnyPath) -> None:
-    """A URL ``output.dir`` must take an object (a probe, put and removed) before anything starts: a missing
-    bucket, wrong credentials or endpoint are a ConfigError naming the URL and what to check."""
+    """``output.dir`` must take what a run writes before anything starts. A URL: an object (a probe, put and
+    removed); a missing bucket, wrong credentials or endpoint are a ConfigError naming the URL and what to check.
+    A local path: a directory or none yet, under a directory that takes a new folder (a probe, made and removed
+    in the nearest existing one: nothing is left, the run's own folder is made once its groups are up)."""
     if not isinstance(out, UrlPath):
+        _check_local_writable(Path(out))
         return
     probe = out / f"{PROBE_DIR}-{uuid.uuid4().hex}"
     try:
@@ -642,6 +645,19 @@ def check_writable(out: AnyPath) -> None:
         raise ConfigError(f"output.dir={out}: cannot write there ({type(e).__name__}: {e}); check that the bucket "
                           "exists and that the credentials and endpoint (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
                           "AWS_ENDPOINT_URL for S3) let this machine write to it") from None
+
+
+def _check_local_writable(out: Path) -> None:
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"output.dir={out}: {existing} is a file, not a directory; choose another output.dir")
+    probe = existing / f"{PROBE_DIR}-{uuid.uuid4().hex}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        raise ConfigError(f"output.dir={out}: cannot write in {existing} ({type(e).__name__}: {e}); choose a "
+                          "directory this user can write to") from None
 
 
 __all__ = ["MEDIA_TIMEOUT_S", "PROBE_DIR", "AnyPath", "MediaFile", "RunFiles", "UrlPath", "cache_root",

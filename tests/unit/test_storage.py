@@ -16,7 +16,7 @@ from dhp.runtime.placement import (
     label_matches,
     plan_placement,
 )
-from dhp.storage import PROBE_DIR, check_shared_dir
+from dhp.storage import PROBE_DIR, check_shared_dir, check_writable
 
 
 def _writer(roots: dict[str, Path], out: Path):
@@ -132,3 +132,17 @@ def test_resources_keys_parse_and_refuse_what_would_do_nothing():
             load_config(None, ["runtime.backend=ray", *overrides], check_files=False)
     with pytest.raises(ConfigError, match="vision.resources: .*runtime.backend=ray"):
         load_config(None, ["runtime.backend=local", "vision.resources.num_cpus=2"], check_files=False)
+
+
+def test_a_local_output_dir_is_checked_before_anything_starts(tmp_path):
+    """A file where output.dir (or a folder above it) should be, or a place that takes no new folder, is a config
+    error before any worker starts; a good path is left as it was (the probe made and removed)."""
+    (tmp_path / "notes.txt").write_text("mine")
+    for out in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "run"):
+        with pytest.raises(ConfigError, match=rf"output.dir={out}: {tmp_path / 'notes.txt'} is a file"):
+            check_writable(out)
+    check_writable(tmp_path / "new" / "run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing made, no probe left
+    if Path("/proc/self").is_dir():  # Linux: /proc takes no new folder, even for root
+        with pytest.raises(ConfigError, match="output.dir=/proc/dhp_run: cannot write in /proc"):
+            check_writable(Path("/proc/dhp_run"))
