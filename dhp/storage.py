@@ -322,9 +322,15 @@ URL_INPUTS = (("data", "path"), ("data", "eval_path"), ("data", "tokenizer"), ("
 DATA_FILES = ("path", "eval_path")  # data keys that may name several sources (dhp.data_path)
 
 
+def dhp_cache(name: str) -> Path:
+    """A folder of dhp's cache: ``$DHP_CACHE/<name>`` (default ``~/.cache/dhp/<name>``): the demo set, the data
+    indexes, copies of URL inputs, this machine's calibrated profiles."""
+    return Path(os.environ.get("DHP_CACHE") or Path.home() / ".cache" / "dhp") / name
+
+
 def cache_root() -> Path:
     """Where URL inputs are copied: ``$DHP_CACHE/urls`` (default ``~/.cache/dhp/urls``)."""
-    return Path(os.environ.get("DHP_CACHE") or Path.home() / ".cache" / "dhp") / "urls"
+    return dhp_cache("urls")
 
 
 def _hashed(url: str) -> Path:
@@ -662,5 +668,5 @@ def _check_local_writable(out: Path) -> None:
 
 __all__ = ["MEDIA_TIMEOUT_S", "PROBE_DIR", "AnyPath", "MediaFile", "RunFiles", "UrlPath", "cache_root",
            "check_shared_dir", "check_shared_output", "check_writable", "copied_from", "dcp_reader", "dcp_writer",
-           "download_dir", "files_under", "is_remote", "is_url", "local_copy", "localize_inputs", "location",
-           "media_exists", "media_ref", "media_root", "open_media", "rmtree", "size_of"]
+           "dhp_cache", "download_dir", "files_under", "is_remote", "is_url", "local_copy", "localize_inputs",
+           "location", "media_exists", "media_ref", "media_root", "open_media", "rmtree", "size_of"]

@@ -22,6 +22,7 @@ import numpy as np
 from PIL import Image
 
 from dhp.data.tokenizer import DEFAULT_SYSTEM_PROMPT, train_tokenizer
+from dhp.storage import dhp_cache
 
 DEMO_VERSION = "2"  # 2: the video clips
 MARKER = ".complete"
@@ -85,8 +86,7 @@ class DemoPaths:
 
 def demo_dir() -> Path:
     """Where the demo set is cached: ``$DHP_CACHE/demo`` if DHP_CACHE is set, else ``~/.cache/dhp/demo``."""
-    root = os.environ.get("DHP_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "dhp") / "demo"
+    return dhp_cache("demo")
 
 
 def ensure_demo_dataset() -> Path:

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from dhp.storage import dhp_cache
+
 KINDS = ("image", "video", "audio")  # bit k of the kinds column: the record carries KINDS[k]
 FORMAT = 1  # bumped when the layout or the meaning of a column changes: older indexes are rebuilt
 GOOD, BAD = 0, 1
@@ -42,7 +44,7 @@ GOOD, BAD = 0, 1
 def index_root() -> Path:
     """Where indexes are cached: ``$DHP_CACHE/index`` (default ``~/.cache/dhp/index``), beside the demo set and
     the copies of URL inputs."""
-    return Path(os.environ.get("DHP_CACHE") or Path.home() / ".cache" / "dhp") / "index"
+    return dhp_cache("index")
 
 
 def stable(obj: Any) -> Any:

@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dhp.observe.devices import Device
+from dhp.storage import dhp_cache
 
 ROOFLINE = "roofline"
 CALIBRATED = "calibrated"
@@ -264,7 +264,7 @@ def machine_profile_path(device_type: str) -> Path:
     """Where ``dhp plan calibrate`` keeps the profile of this machine's ``device_type`` (``cpu`` or ``cuda``), which
     ``dhp bench`` prices its layouts with when no ``--profile`` is given: ``$DHP_CACHE/profiles/<device_type>.json``
     (default ``~/.cache/dhp/profiles``)."""
-    return Path(os.environ.get("DHP_CACHE") or Path.home() / ".cache" / "dhp") / "profiles" / f"{device_type}.json"
+    return dhp_cache("profiles") / f"{device_type}.json"
 
 
 def machine_profile(device_type: str) -> Path | None:
