@@ -305,11 +305,14 @@ class Run:
     def _check_attention(self) -> None:
         """``train.attention=varlen`` where its kernels cannot run: a config error before any worker starts (the
         attention itself would stop at the first step, ``dhp.ops.attention.attention_kernel``)."""
-        t, device = self.cfg.train, self._device_type()
-        dtype = compute_dtype(t, device)
-        if t.attention == "varlen" and (device != "cuda" or dtype not in ("bfloat16", "float16")):
-            raise ConfigError(f"train.attention=varlen: its kernels run on CUDA in bfloat16/float16, this run "
-                              f"computes on {device} in {dtype}; use train.attention=auto or sdpa"
+        if self.cfg.train.attention != "varlen":
+            return
+        from dhp.ops.attention import varlen_unusable
+
+        device = self._device_type()
+        why = varlen_unusable(device, getattr(torch, compute_dtype(self.cfg.train, device)))
+        if why is not None:
+            raise ConfigError(f"train.attention=varlen: {why}; use train.attention=auto or sdpa"
                               + (" (or train.dtype=bfloat16)" if device == "cuda" else ""))
 
     def _groups_text(self) -> str:

@@ -147,15 +147,25 @@ def attention_kernel(choice: str, q: torch.Tensor) -> str:
     asks for it: an error where it cannot run, except in a shape-only run (which prices the SDPA path)."""
     if choice == "sdpa" or not has_values(q):
         return "sdpa"
-    usable = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    usable = varlen_unusable(q.device.type, q.dtype) is None
     if usable and varlen_kernel() is not None:
         return "varlen"
     if choice == "varlen":
-        why = ("no varlen kernel is installed (torch.nn.attention.varlen or flash_attn)" if usable else
-               f"its kernels run on CUDA in bfloat16/float16, this attention runs on {q.device.type} in {q.dtype}")
+        why = varlen_unusable(q.device.type, q.dtype) or \
+            "no varlen kernel is installed (torch.nn.attention.varlen or flash_attn)"
         raise ConfigError(f"train.attention=varlen: {why}; use train.attention=auto or sdpa"
-                         + ("" if usable else " (or train.dtype=bfloat16 on a GPU)"))
+                          + ("" if usable else " (or train.dtype=bfloat16 on a GPU)"))
     return "sdpa"
+
+
+def varlen_unusable(device_type: str, dtype: torch.dtype) -> str | None:
+    """Why the varlen kernels cannot run attention on ``device_type`` in ``dtype`` (they take CUDA tensors in
+    bfloat16 or float16), or None where they can: checked by ``attention_kernel`` and, before any worker starts,
+    by ``dhp train`` (``Run._check_attention``)."""
+    if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return None
+    return (f"its kernels run on CUDA in bfloat16/float16, this attention runs on {device_type} in "
+            f"{str(dtype).removeprefix('torch.')}")
 
 
 @functools.cache

@@ -69,8 +69,8 @@ def _rows(demo_data, tmp_path, base):
         ("data check of a broken file", ["data", "check", *no_data, f"data.path={broken}"], "problem(s) in 3",
          EXIT_DATA),
         ("varlen attention on the CPU", ["train", *base, "train.attention=varlen"],
-         "config error: train.attention=varlen: its kernels run on CUDA in bfloat16/float16, this run computes on "
-         "cpu in float32", EXIT_CONFIG),
+         "config error: train.attention=varlen: its kernels run on CUDA in bfloat16/float16, this attention runs "
+         "on cpu in float32", EXIT_CONFIG),
     ]
 
 
