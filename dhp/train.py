@@ -633,7 +633,7 @@ def train(cfg: Config) -> dict:
 
 def print_summary(summary: dict) -> None:
     loss = summary["final_loss"]
-    ran = summary.get("steps_this_run", summary["steps"])
+    ran = summary["steps_this_run"]
     steps = (f"{summary['steps']} steps" if ran == summary["steps"]
              else f"step {summary['steps']} ({ran} step{'s' if ran != 1 else ''} this run, after a resume)")
     print(f"dhp: done, {steps} in {summary['time_s']:.1f} s"
