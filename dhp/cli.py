@@ -437,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--layouts", default="dhp,uniform_tp,fsdp",
                    help="comma-separated: dhp, uniform_tp, fsdp, or name=key=value;key=value (default: all three)")
     b.add_argument("--steps", type=int, default=3, help="measured steps per layout (default 3)")
-    b.add_argument("--warmup", type=int, default=1, help="steps run first and left out (default 1)")
+    b.add_argument("--warmup", type=int, default=3, help="steps run first and left out (default 3: a run's first steps "
+                   "build caches, allocate the optimizer's state, collect start-up's garbage)")
     b.add_argument("--workers", type=int, default=4, help="workers per layout of the named defaults: W/2 per group, "
                    "disaggregated; 2: both groups collocated on the two (default 4)")
     b.add_argument("--profile", default=None, help="a device profile (`dhp plan calibrate`): each layout carries "

@@ -219,6 +219,11 @@ class RuntimeConfig:
     # count the bytes every collective moves (comm_<module>_<kind>_bytes in metrics.jsonl): a dispatch mode that
     # puts every op of the step through Python, so only where asked (dhp bench turns it on); Ray backend
     count_collectives: bool = False
+    # Python's garbage collector in the Ray workers (dhp.runtime.gc_policy): freeze start-up's objects (so no
+    # collection walks them again); every N steps a collection on every rank at the step's end, automatic
+    # collection off (0: Python's automatic collection)
+    gc_freeze: bool = True
+    gc_every_steps: int = 0
 
 
 FIXED_SECTIONS = ("model", "data", "train", "merger", "output", "runtime")
@@ -280,6 +285,8 @@ class Config:
         _check(self.runtime.max_failures >= 0, "runtime.max_failures", "must be >= 0")
         _check(self.runtime.capacity_wait_s >= 0, "runtime.capacity_wait_s", "must be >= 0 seconds")
         _check(self.runtime.collective_timeout_s > 0, "runtime.collective_timeout_s", "must be > 0 seconds")
+        _check(self.runtime.gc_every_steps >= 0, "runtime.gc_every_steps",
+               "must be >= 0 (0: Python's automatic collection)")
         trace = self.output.trace_steps
         _check((trace >= 0) if isinstance(trace, int) else all(s >= 1 for s in trace), "output.trace_steps",
                "must be >= 0 (the N steps after the first) or a list of step numbers >= 1")

@@ -59,6 +59,7 @@ from dhp.runtime.data_plane import (
     split_named,
     split_rows,
 )
+from dhp.runtime.gc_policy import GcPolicy
 from dhp.runtime.mesh import ModuleLayout, create_mesh_groups, device_mesh
 
 
@@ -90,6 +91,7 @@ class EngineWorker(WorkerBase):
         # asks (dhp bench), since its dispatch mode puts every op of the step through Python (docs/performance.md)
         self.comm: CommCounter | None = None
         self.spans: list[dict[str, Any]] = []  # this step's timeline: phase, round, wall-clock start and end
+        self.gc: GcPolicy | None = None
 
     @dispatch(split=Split.ALL, collect=Collect.ALL)
     def setup_parallel(self, layouts: list[ModuleLayout], backend: str, spec: Any) -> dict[str, int]:
@@ -124,6 +126,13 @@ class EngineWorker(WorkerBase):
 
     def _keep_turns_apart(self, init: EngineInit) -> None:
         self.empty_cache = empties_cache_between_turns(init.cfg, init.device)
+
+    def _settle_gc(self, init: EngineInit) -> None:
+        """The engine is built: Python's collector from now on as ``runtime.gc_*`` say (``GcPolicy``)."""
+        if self.gc is not None:  # a second init in this process (a restart): the last policy's schedule ends
+            self.gc.close()
+        self.gc = GcPolicy(init.cfg.runtime.gc_freeze, init.cfg.runtime.gc_every_steps)
+        self.gc.after_init()
 
     def _open_data_plane(self, init: EngineInit) -> None:
         """This rank's end of the data plane the runtime chose (``init.data_plane``)."""
@@ -198,12 +207,24 @@ class EngineWorker(WorkerBase):
         self.bytes_in = self.bytes_out = 0
         if self.comm is not None:
             self.comm.reset()
+        if self.gc is not None:  # between steps, on every rank at once: the driver waits for this call
+            self.gc.after_step()
         return out
 
     @dispatch(split=Split.ALL, collect=Collect.RANK_ZERO)
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights (collective when sharded: every rank must take part); the driver keeps rank 0's."""
         return self.engine.state_dict()
+
+    @dispatch(split=Split.ALL, collect=Collect.ALL)
+    def gc_state(self) -> dict[str, Any]:
+        """This rank's garbage collector as ``runtime.gc_*`` left it (``GcPolicy``): objects frozen, whether Python
+        collects on its own, steps ended, seconds of the policy's own collections."""
+        import gc
+
+        policy = self.gc or GcPolicy(freeze=False)
+        return {"frozen_objects": gc.get_freeze_count(), "automatic": gc.isenabled(), "steps": policy.steps,
+                "collect_s": policy.collect_s}
 
     @dispatch(split=Split.ALL, collect=Collect.ALL)
     def identity(self) -> dict[str, Any]:
@@ -254,6 +275,7 @@ class EncoderWorker(EngineWorker):
         self._keep_turns_apart(init)
         self._set_counting(init)
         self._open_data_plane(init)
+        self._settle_gc(init)
         self.outputs: dict[Any, dict[int, Piece]] = {}
         # key -> (text rank, rows, their token index: under Megatron SP, where a sample's rows may go to two)
         self.sent: dict[Any, list[tuple[int, tuple[tuple[int, int], ...], torch.Tensor | None]]] = {}
@@ -406,6 +428,7 @@ class LanguageWorker(EngineWorker):
         self._keep_turns_apart(init)
         self._set_counting(init)
         self._open_data_plane(init)
+        self._settle_gc(init)
         self.grads: dict[tuple[Any, str], dict[int, Named]] = {}
 
     @dispatch(split=Split.REPLICA, collect=Collect.ALL)

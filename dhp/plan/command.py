@@ -320,11 +320,31 @@ def published_ratio(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _check_profile_out(out: Path) -> None:
+    """Make ``--out``'s folder and check that the profile can be written there; a ``UsageError`` naming the path
+    and the fix where not."""
+    from dhp.errors import UsageError
+
+    if out.is_dir():
+        raise UsageError(f"--out {out}: a directory; give the profile's file name, e.g. --out {out / 'profile.json'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        existed = out.exists()
+        with open(out, "a"):  # appends nothing: an existing profile stays as it is until the new one is written
+            pass
+        if not existed:
+            out.unlink()
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot write the profile there ({type(e).__name__}: {e}); choose a path "
+                         "this user can write to") from None
+
+
 def run_calibrate(args: Any) -> int:
     """``dhp plan calibrate --out profile.json [--on cpu|cuda] [--quick] [--threads N] [--no-runtime]``."""
     from dhp.plan.calibrate import calibrate
 
     out = getattr(args, "out", None) or "profile.json"
+    _check_profile_out(Path(out))  # before the minutes of measuring, not after them
     prof = calibrate(getattr(args, "on", None), quick=bool(getattr(args, "quick", False)),
                      log=lambda s: print(s, file=sys.stderr, flush=True), threads=getattr(args, "threads", None),
                      runtime=not getattr(args, "no_runtime", False))

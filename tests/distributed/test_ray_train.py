@@ -169,3 +169,35 @@ def test_impossible_layouts_are_rejected_before_any_actor(ray_cluster, demo_over
     assert main(["train", *demo_overrides, "runtime.backend=ray", "runtime.placement=disaggregated",
                  "vision.parallel.dp=4", "text.parallel.dp=2", "train.micro_batch_size=2"]) == 2  # 6 CPUs > 4
     assert _alive_dhp_actors() == []
+
+
+def test_workers_freeze_startups_objects_and_collect_on_the_steps_schedule(ray_cluster, demo_overrides):
+    """``runtime.gc_every_steps=2``: every rank of every group froze start-up's objects (Python's collections never
+    walk them again), collects on its own no more, and ran a collection at the end of step 2, not step 1."""
+    from dhp.backends.ray_backend import RayBackend
+
+    cfg = load_config(None, demo_overrides + ["runtime.backend=ray", "runtime.cpus_per_worker=0.5",
+                                              "runtime.placement=disaggregated", "vision.parallel.dp=2",
+                                              "runtime.gc_every_steps=2"])
+    inputs = resolve_inputs(cfg)
+    spec = dataset_spec(inputs, inputs.train_path)
+    costs = module_costs(inputs.family, inputs.model_cfg, open_dataset(spec))
+    planner = BatchPlanner(costs, {"vision": 2, "text": 1}, 8, 4)
+    backend = RayBackend(inputs, spec)
+    try:
+        def states() -> list[dict]:
+            return [s for m in backend.modules for s in backend.group(m).gc_state.submit().get()]
+
+        started = states()
+        assert len(started) == 3 and all(s["steps"] == 0 and not s["automatic"] for s in started)
+        assert all(s["frozen_objects"] > 10_000 for s in started)  # torch, Ray and the model: frozen at init
+        backend.run_step(planner.plan(0), planner.plan(1))
+        first = states()  # the first step's objects frozen too (a collection of the unfrozen ones only)
+        assert all(s["steps"] == 1 and s["collect_s"] > a["collect_s"] for s, a in zip(first, started, strict=True))
+        assert all(s["frozen_objects"] >= a["frozen_objects"] for s, a in zip(first, started, strict=True))
+        backend.run_step(planner.plan(1), planner.plan(2))
+        second = states()  # step 2 of every 2: collected, nothing more frozen
+        assert all(s["steps"] == 2 and s["collect_s"] > a["collect_s"] for s, a in zip(second, first, strict=True))
+        assert all(s["frozen_objects"] == a["frozen_objects"] for s, a in zip(second, first, strict=True))
+    finally:
+        backend.shutdown()

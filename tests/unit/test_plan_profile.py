@@ -183,7 +183,7 @@ def test_calibrate_on_cpu_writes_a_profile_that_plan_reads(tmp_path: Any, capsys
     monkeypatch.setenv("DHP_CACHE", str(tmp_path / "cache"))
     args = argparse.Namespace(profile=None, no_profile=False)
     assert machine_profile("cpu") is None and bench_profile(args, None, ["train.device=cpu"]) is None
-    out = tmp_path / "cpu.json"
+    out = tmp_path / "profiles" / "cpu.json"  # a folder made for it
     assert main(["plan", "calibrate", "--on", "cpu", "--quick", "--no-runtime", "--out", str(out)]) == 0
     assert "as this machine's cpu profile" in capsys.readouterr().out
     mine = tmp_path / "cache" / "profiles" / "cpu.json"
