@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import sys
 import threading
@@ -89,6 +90,8 @@ def table(rows: list[Row], limit: float) -> str:
             + " ".join(f"{g + ' GB':>9}" for g in groups) + f" {'step s':>8} {'tokens/s':>10} "
             + f"{'compute':>8} {'comm':>7} {'hidden':>7} {'router':>7} "
             + " ".join(f"{_short(g) + ' idle':>7}" for g in groups) + "  layout")
+    unit, scale = time_unit(rows)
+    head = head.replace(f"{'step s':>8}", f"{'step ' + unit:>8}")
     out = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (tuple(r.media_tokens().get(e, 0) for e in encs), r.ac, r.strategy)):
         media = r.media_tokens()
@@ -96,19 +99,34 @@ def table(rows: list[Row], limit: float) -> str:
         out.append(f"{r.strategy:<18} " + " ".join(f"{media.get(e, 0):>10}" for e in encs)
                    + f" {'on' if r.ac else 'off':>3} {'yes' if r.fits else 'no':>4} "
                    + " ".join(f"{r.groups[g]['peak_gb']:>9.1f}" for g in groups)
-                   + f" {r.step_time_s:>8.2f} {r.tokens_per_s:>10.0f} " + _times(r, groups) + f"  {lay}")
+                   + f" {figure(r.step_time_s * scale):>8} {r.tokens_per_s:>10.0f} " + _times(r, groups, scale)
+                   + f"  {lay}")
     return "\n".join(out)
 
 
-def _times(r: Row, groups: list[str]) -> str:
-    """Seconds per step over the row's groups: compute, exposed and hidden communication, router; each group's
-    idle time (waiting on the others)."""
-    def total(key: str) -> float:
-        return sum(g.get(key, 0.0) for g in r.groups.values())
+def time_unit(rows: list[Row]) -> tuple[str, float]:
+    """The table's unit of time: ms where every step is under a second (a small model), else s."""
+    return ("ms", 1e3) if rows and max(r.step_time_s for r in rows) < 1.0 else ("s", 1.0)
 
-    idle = " ".join(f"{r.groups[g].get('idle_s', 0.0):>7.3g}" if g in r.groups else f"{'-':>7}" for g in groups)
-    return (f"{total('compute_s'):>8.3g} {total('comm_exposed_s'):>7.3g} {total('comm_hidden_s'):>7.3g} "
-            f"{total('router_s'):>7.3g} {idle}")
+
+def figure(x: float) -> str:
+    """A time in the table: three significant digits in fixed notation (never 1.05e-05), 0 as 0."""
+    if x == 0:
+        return "0"
+    digits = max(0, min(4, 2 - math.floor(math.log10(abs(x)))))
+    return f"{x:.{digits}f}"
+
+
+def _times(r: Row, groups: list[str], scale: float) -> str:
+    """Time per step over the row's groups (in the table's unit, ``scale`` per second): compute, exposed and
+    hidden communication, router; each group's idle time (waiting on the others)."""
+    def total(key: str) -> str:
+        return figure(scale * sum(g.get(key, 0.0) for g in r.groups.values()))
+
+    idle = " ".join(f"{figure(scale * r.groups[g].get('idle_s', 0.0)):>7}" if g in r.groups else f"{'-':>7}"
+                    for g in groups)
+    return (f"{total('compute_s'):>8} {total('comm_exposed_s'):>7} {total('comm_hidden_s'):>7} "
+            f"{total('router_s'):>7} {idle}")
 
 
 def _sizes(media: dict[str, int]) -> str:
@@ -256,7 +274,8 @@ def run_plan(args: Any) -> int:
           + ("  [ROOFLINE: no calibrated profile; `dhp plan calibrate` measures one]"
              if any(p.source == "roofline" for p in (pricing.default, *dict(pricing.groups).values())) else ""))
     print(table(rows, limit))
-    print("(seconds per step: compute and communication summed over the groups, comm exposed / hidden behind "
+    unit = {"s": "seconds", "ms": "milliseconds"}[time_unit(rows)[0]]
+    print(f"({unit} per step: compute and communication summed over the groups, comm exposed / hidden behind "
           "compute; idle: a group waiting on the others)")
     if rec is not None:
         media = rec.media_tokens()

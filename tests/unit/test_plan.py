@@ -262,3 +262,16 @@ def test_bad_numbers_and_names_are_usage_errors_naming_the_flag(argv: list[str],
 
     assert main(["plan", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_tables_times_are_fixed_notation_in_one_unit() -> None:
+    """A tiny model's plan printed its times as 0.00 s and 1.05e-05: now milliseconds where every step is under a
+    second, three significant digits, never scientific notation."""
+    from types import SimpleNamespace
+
+    from dhp.plan.command import figure, time_unit
+
+    assert [figure(x) for x in (0, 1.05e-05, 0.00341, 0.31, 3.41, 12.345, 5255.8)] == [
+        "0", "0.0000", "0.0034", "0.310", "3.41", "12.3", "5256"]
+    assert time_unit([SimpleNamespace(step_time_s=0.004), SimpleNamespace(step_time_s=0.9)]) == ("ms", 1e3)
+    assert time_unit([SimpleNamespace(step_time_s=0.004), SimpleNamespace(step_time_s=12.0)]) == ("s", 1.0)
