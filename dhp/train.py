@@ -119,9 +119,15 @@ def choose_start(cfg: Config, out: AnyPath) -> tuple[AnyPath, dict] | None:
     if resume not in ("auto", "none"):
         ckpt = location(resume)  # a path or a URL
         try:
-            return ckpt, checkpoint.read_record(ckpt)
+            found = ckpt, checkpoint.read_record(ckpt)
         except CheckpointError as e:
             raise CheckpointError(f"train.resume: {e}") from None
+        earlier = previous_run(out)
+        if not is_runs_own(ckpt, out) and earlier and not cfg.output.overwrite:
+            raise ConfigError(f"output.dir: {out} holds another run ({', '.join(earlier)}) and train.resume={resume} "
+                              "is not one of its checkpoints; choose another output.dir for the run that goes on "
+                              "from it, or set output.overwrite=true to replace that run")
+        return found
     if resume == "auto" and not cfg.output.overwrite:
         found = checkpoint.latest(out)
         if found is not None:
@@ -137,6 +143,15 @@ def choose_start(cfg: Config, out: AnyPath) -> tuple[AnyPath, dict] | None:
         raise ConfigError(f"output.dir: {out} holds another run ({', '.join(earlier)}) and {why}; set "
                           f"output.overwrite=true to replace it, {fixes}or choose another output.dir")
     return None
+
+
+def is_runs_own(ckpt: AnyPath, out: AnyPath) -> bool:
+    """Whether checkpoint ``ckpt`` is one of run ``out``'s own (``out/checkpoints/step_N``); otherwise a run that
+    resumes from it is a new run (a branch) in ``out``."""
+    run = ckpt.parent.parent
+    if isinstance(run, UrlPath) or isinstance(out, UrlPath):
+        return str(run).rstrip("/") == str(out).rstrip("/")
+    return run.resolve() == Path(out).resolve()
 
 
 def clear_previous_run(out: AnyPath) -> None:
@@ -322,6 +337,16 @@ class Run:
         (self.files.local / "workers.json").write_text(json.dumps(self.backend.workers(), indent=2) + "\n")
         self.files.sync()
 
+    def _carry_metrics(self, ckpt: AnyPath, record: dict) -> None:
+        """A branch's metrics.jsonl starts with the rows of the run it goes on from, up to the checkpoint's step
+        (where that run's metrics.jsonl is still beside its checkpoints): one history for ``dhp report``."""
+        source = ckpt.parent.parent / "metrics.jsonl"
+        if not source.exists():
+            return
+        rows = [line for line in source.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= record["step"]]
+        (self.files.local / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
+
     # -- checkpoints
     def save(self, step: int, epoch: int) -> Path:
         ckpt = checkpoint.step_dir(self.out, step)
@@ -357,11 +382,14 @@ class Run:
             ckpt = self.start_from[0] if self.start_from is not None else None
             raise Interrupted(stop.signum, self._interrupted_message(stop.signum, step, ckpt))
         try:
-            if self.start_from is None:
+            branch = self.start_from is not None and not is_runs_own(self.start_from[0], out)
+            if self.start_from is None or branch:  # a new run in output.dir (a branch: from another run's step)
                 out.mkdir(parents=True, exist_ok=True)
                 clear_previous_run(out)
             self.files = RunFiles(out)
-            if self.start_from is not None:
+            if branch:
+                self._carry_metrics(*self.start_from)
+            elif self.start_from is not None:
                 self.files.pull("metrics.jsonl")  # the rows up to the checkpoint, from a URL output.dir
             dump_config(cfg, self.files.local / "config.yaml")
             self.write_workers()

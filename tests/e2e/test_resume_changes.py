@@ -75,3 +75,26 @@ def test_a_run_without_checkpoint_does_not_suggest_the_default(base, tmp_path, c
     err = capsys.readouterr().err
     assert "holds another run (metrics.jsonl)" in err and "no complete checkpoint" in err
     assert "train.resume=auto" not in err and "output.overwrite=true" in err
+
+
+def test_a_run_goes_on_from_another_runs_checkpoint_in_its_own_directory(base, tmp_path, capsys):
+    """``train.resume=<run A's step 1> output.dir=B``: a new run B (its directory made), from A's exact state: its
+    step 2 is A's step 2, and its metrics.jsonl starts with A's row of step 1. A second such run into B, which
+    now holds a run, is refused without touching it."""
+    a, b = tmp_path / "run", tmp_path / "branch"
+    assert main(["train", *base, "train.checkpoint_every=1", "train.eval_at_end=false"]) == 0
+    other = [o for o in base if not o.startswith("output.dir=")]
+    resume = f"train.resume={a / 'checkpoints' / 'step_000001'}"
+    assert main(["train", *other, f"output.dir={b}", resume, "train.eval_at_end=false"]) == 0
+    assert "dhp: done, step 2 (1 step this run, after a resume)" in capsys.readouterr().out
+    rows_a = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
+    rows_b = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows_b] == [1, 2] and rows_b[0] == rows_a[0]
+    assert rows_b[1]["loss"] == pytest.approx(rows_a[1]["loss"], rel=1e-6)
+    assert (b / "checkpoints" / "step_000002").is_dir() and not (a / "checkpoints" / "step_000003").exists()
+
+    before = sorted(p.name for p in b.iterdir())
+    assert main(["train", *other, f"output.dir={b}", resume]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert f"output.dir: {b} holds another run" in err and "is not one of its checkpoints" in err
+    assert sorted(p.name for p in b.iterdir()) == before and (b / "checkpoints" / "step_000002").is_dir()
