@@ -104,6 +104,12 @@ def table(rows: list[Row], limit: float) -> str:
     return "\n".join(out)
 
 
+def cpu_priced(pricing: Any) -> bool:
+    """Whether a CPU's calibrated profile prices a group of the plan, which lays the model out on GPUs."""
+    return any(p.source == "calibrated" and p.device_type == "cpu"
+               for p in (pricing.default, *dict(pricing.groups).values()))
+
+
 def time_unit(rows: list[Row]) -> tuple[str, float]:
     """The table's unit of time: ms where every step is under a second (a small model), else s."""
     return ("ms", 1e3) if rows and max(r.step_time_s for r in rows) < 1.0 else ("s", 1.0)
@@ -272,7 +278,9 @@ def run_plan(args: Any) -> int:
           + ("; LoRA " + ", ".join(f"{m} r={r} (base frozen)" for m, r in lora.items()) if lora else "")
           + f"\npriced by {pricing.label}"
           + ("  [ROOFLINE: no calibrated profile; `dhp plan calibrate` measures one]"
-             if any(p.source == "roofline" for p in (pricing.default, *dict(pricing.groups).values())) else ""))
+             if any(p.source == "roofline" for p in (pricing.default, *dict(pricing.groups).values())) else "")
+          + ("\n  [CPU PROFILE: the times are this CPU's, the memory limit the GPU's; calibrate on the GPU "
+             "(`dhp plan calibrate --on cuda`) for its times]" if cpu_priced(pricing) else ""))
     print(table(rows, limit))
     unit = {"s": "seconds", "ms": "milliseconds"}[time_unit(rows)[0]]
     print(f"({unit} per step: compute and communication summed over the groups, comm exposed / hidden behind "

@@ -203,6 +203,13 @@ def test_calibrate_on_cpu_writes_a_profile_that_plan_reads(tmp_path: Any, capsys
     assert p.cpu_op_s > 0 and p.hbm_bytes_per_s > 0 and p.dtensor_op_s > 0 and p.busy_slowdown >= 1.0
     assert p.fsdp_call_s >= 0 and p.tp_call_s >= 0  # (in-situ residuals: tests/unit/test_plan_accuracy.py)
     assert p.actor_call_s == 0 and p.busy_call_s == 0 and p.object_store is None
+    capsys.readouterr()
+    assert main(["plan", "tiny", "--gpus", "2", "--vision-tokens", "1024", "--text-tokens", "256", "--strategies",
+                 "zero3", "--profile", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "priced by calibrated cpu" in printed and "fastest that fits: zero3" in printed
+    assert "[CPU PROFILE: the times are this CPU's, the memory limit the GPU's" in printed  # a GPU plan, CPU times
+    assert "ROOFLINE" not in printed
 
 
 def test_published_setting_is_the_published_experiment() -> None:
