@@ -90,19 +90,31 @@ def _entry(
     os._exit(0)  # skip interpreter finalization (see the module docstring); an exception above still fails the rank
 
 
+PORT_TRIES = 3  # the free port may be taken between ``free_port`` and rank 0's listen: try another
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; returns the results by rank."""
-    with tempfile.TemporaryDirectory(prefix="dhp-dist-") as out_dir:
-        try:
-            mp.spawn(
-                _entry,
-                args=(fn, world_size, free_port(), out_dir, timeout_s, args),
-                nprocs=world_size,
-                join=True,
-            )
-        except ProcessException as e:
-            raise RuntimeError(_failure_report(e, out_dir, world_size)) from e
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; returns the results by rank.
+
+    ``free_port`` frees the port it found before rank 0 listens on it, and on a busy machine another process (a
+    Ray worker of a test beside this one) can take it in between: rank 0 then fails to listen (EADDRINUSE)
+    before ``fn`` runs, and the ranks start again on another port, up to ``PORT_TRIES`` times."""
+    for attempt in range(PORT_TRIES):
+        with tempfile.TemporaryDirectory(prefix="dhp-dist-") as out_dir:
+            try:
+                mp.spawn(
+                    _entry,
+                    args=(fn, world_size, free_port(), out_dir, timeout_s, args),
+                    nprocs=world_size,
+                    join=True,
+                )
+            except ProcessException as e:
+                report = _failure_report(e, out_dir, world_size)
+                if "EADDRINUSE" in report and attempt + 1 < PORT_TRIES:
+                    continue
+                raise RuntimeError(report) from e
+            return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    raise AssertionError("unreachable")
 
 
 def _failure_report(error: Exception, out_dir: str, world_size: int) -> str:

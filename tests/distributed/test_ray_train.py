@@ -123,6 +123,19 @@ def _recording(monkeypatch) -> list[tuple[str, str, str, int]]:
     return log
 
 
+def _ray_backend(demo_overrides: list[str], layout: list[str]) -> tuple:
+    """(a RayBackend of the demo set on ``layout``, the trainer's batch planner for its replicas)."""
+    from dhp.backends.ray_backend import RayBackend
+
+    cfg = load_config(None, demo_overrides + ["runtime.backend=ray", "runtime.cpus_per_worker=0.5", *layout])
+    inputs = resolve_inputs(cfg)
+    spec = dataset_spec(inputs, inputs.train_path)
+    costs = module_costs(inputs.family, inputs.model_cfg, open_dataset(spec))
+    replicas = {m: cfg.module(m).parallel.dp for m in inputs.family.module_names}
+    planner = BatchPlanner(costs, replicas, cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    return RayBackend(inputs, spec), planner
+
+
 def _once(entries):
     """Consecutive repeats dropped (a call submitted to each rank, a wait on several of its ranks)."""
     return [e for i, e in enumerate(entries) if i == 0 or entries[i - 1] != e]
@@ -134,17 +147,10 @@ def test_the_drivers_calls_are_the_planners_script(ray_cluster, demo_overrides, 
     driver's order, are ``dhp.plan.schedule.driver_script``'s (the p2p plane with encoders 1 and 0 rounds ahead,
     disaggregated; the object-store router, collocated, with its emits), loads included (the step's first two
     rounds are the step before's: the script's carried loads, the driver's first prefetches)."""
-    from dhp.backends.ray_backend import RayBackend
     from dhp.plan.schedule import driver_script
 
-    cfg = load_config(None, demo_overrides + ["runtime.backend=ray", "runtime.cpus_per_worker=0.5",
-                                              f"runtime.placement={placement}", "vision.parallel.sp=2",
-                                              "text.parallel.tp=2", "train.micro_batch_size=2"])
-    inputs = resolve_inputs(cfg)
-    spec = dataset_spec(inputs, inputs.train_path)
-    costs = module_costs(inputs.family, inputs.model_cfg, open_dataset(spec))
-    planner = BatchPlanner(costs, {"vision": 1, "text": 1}, 8, 2)
-    backend = RayBackend(inputs, spec)
+    backend, planner = _ray_backend(demo_overrides, [f"runtime.placement={placement}", "vision.parallel.sp=2",
+                                                     "text.parallel.tp=2", "train.micro_batch_size=2"])
     try:
         for step, ahead in enumerate([1, 0] if placement == "disaggregated" else [backend.ahead]):
             backend.ahead = ahead
@@ -174,16 +180,8 @@ def test_impossible_layouts_are_rejected_before_any_actor(ray_cluster, demo_over
 def test_workers_freeze_startups_objects_and_collect_on_the_steps_schedule(ray_cluster, demo_overrides):
     """``runtime.gc_every_steps=2``: every rank of every group froze start-up's objects (Python's collections never
     walk them again), collects on its own no more, and ran a collection at the end of step 2, not step 1."""
-    from dhp.backends.ray_backend import RayBackend
-
-    cfg = load_config(None, demo_overrides + ["runtime.backend=ray", "runtime.cpus_per_worker=0.5",
-                                              "runtime.placement=disaggregated", "vision.parallel.dp=2",
-                                              "runtime.gc_every_steps=2"])
-    inputs = resolve_inputs(cfg)
-    spec = dataset_spec(inputs, inputs.train_path)
-    costs = module_costs(inputs.family, inputs.model_cfg, open_dataset(spec))
-    planner = BatchPlanner(costs, {"vision": 2, "text": 1}, 8, 4)
-    backend = RayBackend(inputs, spec)
+    backend, planner = _ray_backend(demo_overrides, ["runtime.placement=disaggregated", "vision.parallel.dp=2",
+                                                     "runtime.gc_every_steps=2"])
     try:
         def states() -> list[dict]:
             return [s for m in backend.modules for s in backend.group(m).gc_state.submit().get()]
@@ -194,10 +192,10 @@ def test_workers_freeze_startups_objects_and_collect_on_the_steps_schedule(ray_c
         backend.run_step(planner.plan(0), planner.plan(1))
         first = states()  # the first step's objects frozen too (a collection of the unfrozen ones only)
         assert all(s["steps"] == 1 and s["collect_s"] > a["collect_s"] for s, a in zip(first, started, strict=True))
-        assert all(s["frozen_objects"] >= a["frozen_objects"] for s, a in zip(first, started, strict=True))
+        assert all(s["frozen_objects"] > 10_000 for s in first)
         backend.run_step(planner.plan(1), planner.plan(2))
-        second = states()  # step 2 of every 2: collected, nothing more frozen
+        second = states()  # step 2 of every 2: collected, nothing more frozen (frozen objects freed since: fewer)
         assert all(s["steps"] == 2 and s["collect_s"] > a["collect_s"] for s, a in zip(second, first, strict=True))
-        assert all(s["frozen_objects"] == a["frozen_objects"] for s, a in zip(second, first, strict=True))
+        assert all(s["frozen_objects"] <= a["frozen_objects"] for s, a in zip(second, first, strict=True))
     finally:
         backend.shutdown()
