@@ -109,6 +109,20 @@ def layout_config(config: str | Path | None, overrides: list[str], layout: list[
     return load_config(config, [*overrides, *layout, *fixed])
 
 
+def check_layouts(cfgs: dict[str, Config]) -> None:
+    """Every layout the model cannot take (a TP degree that does not divide its heads, ...), named, before the
+    first layout trains: not after minutes of measuring the others."""
+    from dhp.backends.ray_backend import module_layouts
+    from dhp.inputs import resolve_inputs
+
+    for name, cfg in cfgs.items():
+        inputs = resolve_inputs(cfg)
+        try:
+            module_layouts(cfg, inputs.family, inputs.model_cfg)
+        except ConfigError as e:
+            raise ConfigError(f"--layouts {name}: {e}") from None
+
+
 def summarize(rows: list[dict], warmup: int, modules: list[str]) -> dict[str, Any]:
     """A layout's figures from its metrics rows, warm-up steps left out."""
     measured = [r for r in rows if r["step"] > warmup] or rows[-1:]
@@ -152,6 +166,7 @@ def run_bench(config: str | Path | None, overrides: list[str], layouts: dict[str
     out = Path(base.output.dir)
     cfgs = {name: layout_config(config, overrides, layout, name, out, steps, warmup)
             for name, layout in layouts.items()}
+    check_layouts(cfgs)
     share = machine_share(base, list(cfgs.values()), overrides)
     if share is not None:
         for cfg in cfgs.values():
@@ -506,6 +521,7 @@ def run_max_vision_tokens(config: str | Path | None, overrides: list[str], layou
     base = load_config(config, overrides)
     out = Path(base.output.dir)
     cfgs = {name: layout_config(config, overrides, layout, name, out, 1, 0) for name, layout in layouts.items()}
+    check_layouts(cfgs)
     from dhp.plan.planner import family_ref
 
     inputs = resolve_inputs(base)
