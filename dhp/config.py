@@ -8,9 +8,11 @@ Nothing else in dhp reads raw dictionaries.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -505,13 +507,20 @@ def build_config(raw: dict[str, Any]) -> Config:
             value = raw[key]
             module_like = isinstance(value, dict) and set(value) <= {f.name for f in dataclasses.fields(ModuleConfig)}
             if key == "modules" or not module_like:
-                raise ConfigError(f"unknown key {key}; valid keys in the top level: "
-                                  f"{', '.join(sorted((*FIXED_SECTIONS, *modules)))}")
-            raise ConfigError(f"{key}: the model family {family.name} has no {key} module (its modules: "
-                              f"{', '.join(modules)}); remove the section or choose another model.family")
+                raise ConfigError(f"unknown key {key}{_did_you_mean(key, (*FIXED_SECTIONS, *modules))}; valid keys in "
+                                  f"the top level: {', '.join(sorted((*FIXED_SECTIONS, *modules)))}")
+            raise ConfigError(f"{key}: the model family {family.name} has no {key} module{_did_you_mean(key, modules)} "
+                              f"(its modules: {', '.join(modules)}); remove the section or choose another "
+                              "model.family")
     cfg.modules = {name: _build(ModuleConfig, raw.get(name), prefix=f"{name}.") for name in modules}
     cfg.validate(family)
     return cfg
+
+
+def _did_you_mean(key: str, valid: Iterable[str], prefix: str = "") -> str:
+    """`` (did you mean train.steps?)`` for a misspelt key, where one valid key is close; else nothing."""
+    close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.75)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -535,8 +544,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     unknown = sorted(set(raw) - names)
     if unknown:
         raise ConfigError(
-            f"unknown key {prefix}{unknown[0]}; valid keys in {prefix.rstrip('.') or 'the top level'}: "
-            f"{', '.join(sorted(names))}"
+            f"unknown key {prefix}{unknown[0]}{_did_you_mean(unknown[0], names, prefix)}; valid keys in "
+            f"{prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(names))}"
         )
     kwargs = {}
     for name in names & set(raw):

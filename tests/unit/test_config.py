@@ -47,6 +47,25 @@ def test_bad_values_name_the_key(override, message):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("override, suggestion", [
+    ("train.stpes=3", "unknown key train.stpes (did you mean train.steps?)"),
+    ("runtime.gc_frezze=false", "unknown key runtime.gc_frezze (did you mean runtime.gc_freeze?)"),
+    ("text.paralel.tp=2", "unknown key text.paralel (did you mean text.parallel?)"),
+    ("trian.steps=3", "unknown key trian (did you mean train?)"),
+    ("vison.parallel.dp=2", "has no vison module (did you mean vision?)"),
+])
+def test_a_misspelt_key_gets_the_close_one(override, suggestion):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert suggestion in str(err.value)
+
+
+def test_a_key_like_none_gets_no_guess():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.zzz=1"])
+    assert "did you mean" not in str(err.value) and "valid keys in train: " in str(err.value)
+
+
 def test_missing_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent/x.yaml")
