@@ -385,6 +385,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def version_text() -> str:
+    """``dhp 0.1.0 (torch 2.13.0+cpu, ray 2.60.0, transformers 5.x, python 3.11.7)``: what a bug report needs,
+    read from the installed packages' metadata (nothing imported)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from dhp import __version__
+
+    def of(name: str) -> str:
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            return f"{name} not installed"
+
+    return f"dhp {__version__} ({', '.join(of(n) for n in ('torch', 'ray', 'transformers'))}, python " \
+           f"{platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -393,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     rule = textwrap.fill(BASE_RULE, 100)
     p = argparse.ArgumentParser(prog="dhp", description="Disaggregated hybrid parallel training of VLMs on Ray",
                                 epilog=_epilog(), formatter_class=fmt, parents=[common])
+    p.add_argument("--version", action="version", version=version_text(),
+                   help="dhp's version and those of torch, ray and transformers installed beside it")
     p.set_defaults(debug=False)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train (no argument: the embedded demo)", parents=[common],

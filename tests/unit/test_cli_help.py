@@ -67,3 +67,19 @@ def test_overrides_may_follow_the_flags() -> None:
         with pytest.raises(SystemExit) as e:  # an unknown flag, or an override where a command takes none
             parse_command_line(argv)
         assert e.value.code == 2
+
+
+def test_version_names_dhp_and_what_it_runs_on(capsys: Any) -> None:
+    import platform
+
+    import ray
+    import torch
+
+    import dhp
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"dhp {dhp.__version__} (torch {torch.__version__}, ray {ray.__version__}, transformers ")
+    assert line.endswith(f"python {platform.python_version()})")
