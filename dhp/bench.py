@@ -39,6 +39,7 @@ from statistics import mean, median
 from typing import TYPE_CHECKING, Any
 
 from dhp.config import Config, ConfigError, load_config
+from dhp.observe.metrics_file import metric_rows
 from dhp.plan.search import Growth, grow
 
 if TYPE_CHECKING:
@@ -177,8 +178,8 @@ def run_bench(config: str | Path | None, overrides: list[str], layouts: dict[str
     for name, cfg in cfgs.items():
         print(f"dhp bench: layout {name}: {' '.join(layouts[name])}", flush=True)
         train(cfg)
-        rows = [json.loads(line) for line in (Path(cfg.output.dir) / "metrics.jsonl").read_text().splitlines()
-                if line.strip()]
+        metrics = Path(cfg.output.dir) / "metrics.jsonl"
+        rows = [row for _, row in metric_rows(metrics.read_text(), metrics)]
         results["layouts"][name] = {"overrides": layouts[name], **summarize(rows, warmup, list(cfg.modules)),
                                     **predicted.get(name, {})}
     res = results["layouts"]

@@ -37,6 +37,7 @@ from dhp.data.tokenizer import Tokenizer
 from dhp.errors import CheckpointError, DataError, Interrupted
 from dhp.inputs import dataset_spec, indexed_fingerprint, open_dataset, prepare, sample_flops
 from dhp.observe.flops import Peak, mfu, run_peak
+from dhp.observe.metrics_file import metric_rows
 from dhp.observe.trace import TraceWriter, traced_steps
 from dhp.runtime.errors import WorkerError
 from dhp.storage import AnyPath, RunFiles, UrlPath, check_writable, download_dir, location, rmtree
@@ -69,8 +70,7 @@ class MetricsLog:
         """Keep the rows of steps 1..``step`` (those a checkpoint covers), drop the later ones."""
         rows = []
         if step and self.path.is_file():
-            rows = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= step]
+            rows = [line for line, row in metric_rows(self.path.read_text(), self.path) if row["step"] <= step]
         if self.file is not None:
             self.file.close()
         self.path.write_text("".join(r + "\n" for r in rows))
@@ -343,8 +343,7 @@ class Run:
         source = ckpt.parent.parent / "metrics.jsonl"
         if not source.exists():
             return
-        rows = [line for line in source.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= record["step"]]
+        rows = [line for line, row in metric_rows(source.read_text(), source) if row["step"] <= record["step"]]
         (self.files.local / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
 
     # -- checkpoints

@@ -9,11 +9,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from dhp.errors import UsageError
+from dhp.observe.metrics_file import metric_rows
+
+REPORTED = ("step", "loss", "lr", "tokens_per_s", "memory_gb")  # what every plot reads from each row
 
 PHASE_COLORS = {"forward": "#4C72B0", "emit": "#8172B2", "forward_backward": "#DD8452", "backward": "#55A868",
                 "reduce": "#C44E52", "optimizer": "#937860", "waiting": "#DDDDDD", "step": "#999999"}
@@ -32,9 +34,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise UsageError(f"{run_dir}: no metrics.jsonl; give the output.dir of a run")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [row for _, row in metric_rows(path.read_text(), path)]
     if not rows:
         raise UsageError(f"{path} is empty: the run finished no step")
+    for row in rows:
+        missing = [k for k in REPORTED if k not in row]
+        if missing:
+            raise UsageError(f"{path}: the row of step {row['step']} has no {', '.join(missing)}: not a row dhp train "
+                             "wrote; give the output.dir of a dhp run")
     return rows
 
 
