@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,11 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [plot_loss_lr(rows, out_dir / "loss_lr.png"), plot_throughput_mfu(rows, out_dir / "throughput_mfu.png"),
                plot_memory(rows, out_dir / "memory.png")]
-    if (run_dir / "trace.json").is_file():
-        written.append(plot_timeline(run_dir / "trace.json", out_dir / "timeline.png"))
+    trace = run_dir / "trace.json"
+    if trace.is_file():
+        try:
+            written.append(plot_timeline(trace, out_dir / "timeline.png"))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # not the file dhp writes (whole, atomically)
+            print(f"dhp report: {trace}: not a trace dhp wrote ({type(e).__name__}: {e}); the timeline is left out",
+                  file=sys.stderr)
     return written

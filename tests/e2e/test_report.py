@@ -32,3 +32,10 @@ def test_report_writes_pngs(demo_overrides, tmp_path, capsys):
     assert "a report of each layout (dhp, fsdp)" in capsys.readouterr().out
     assert all((tmp_path / "plots" / layout / "loss_lr.png").is_file() for layout in ("dhp", "fsdp"))
     assert main(["report", str(bench / "dhp" / "checkpoints")]) == 2  # neither a run nor a bench
+    # a trace.json that is not dhp's (dhp writes it whole, atomically): said, the other plots still drawn
+    (run / "trace.json").write_text('{"traceEvents": [{"name": "x", "ph": "X"')
+    shutil.rmtree(run / "plots")
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    assert "trace.json: not a trace dhp wrote (JSONDecodeError" in capsys.readouterr().err
+    assert (run / "plots" / "loss_lr.png").is_file() and not (run / "plots" / "timeline.png").exists()
