@@ -248,6 +248,10 @@ def run_plan(args: Any) -> int:
         family, model_cfg = model_config(args.model, getattr(args, "family", None))
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise ModelError(str(e).strip("'\"")) from None
+    for flag, path, what, example in (("--json", getattr(args, "json", None), "JSON", "plan.json"),
+                                      ("--plot", getattr(args, "plot", None), "PNG", "plan.png")):
+        if path:
+            check_output_file(flag, Path(path), what, example)
     dev, pricing, devices = pricing_of(args, family)
     limit = args.gpu_memory_gb or dev.memory_gb
     points = media_points(family, args)
@@ -347,22 +351,22 @@ def published_ratio(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _check_profile_out(out: Path) -> None:
-    """Make ``--out``'s folder and check that the profile can be written there; a ``UsageError`` naming the path
-    and the fix where not."""
+def check_output_file(flag: str, out: Path, what: str, example: str) -> None:
+    """Make the folder of the file ``flag`` names and check that ``what`` can be written there, before the minutes
+    of measuring that produce it; a ``UsageError`` naming the flag, the path and the fix where not."""
     from dhp.errors import UsageError
 
     if out.is_dir():
-        raise UsageError(f"--out {out}: a directory; give the profile's file name, e.g. --out {out / 'profile.json'}")
+        raise UsageError(f"{flag} {out}: a directory; give the {what}'s file name, e.g. {flag} {out / example}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         existed = out.exists()
-        with open(out, "a"):  # appends nothing: an existing profile stays as it is until the new one is written
+        with open(out, "a"):  # appends nothing: an existing file stays as it is until the new one is written
             pass
         if not existed:
             out.unlink()
     except OSError as e:
-        raise UsageError(f"--out {out}: cannot write the profile there ({type(e).__name__}: {e}); choose a path "
+        raise UsageError(f"{flag} {out}: cannot write the {what} there ({type(e).__name__}: {e}); choose a path "
                          "this user can write to") from None
 
 
@@ -371,7 +375,7 @@ def run_calibrate(args: Any) -> int:
     from dhp.plan.calibrate import calibrate
 
     out = getattr(args, "out", None) or "profile.json"
-    _check_profile_out(Path(out))  # before the minutes of measuring, not after them
+    check_output_file("--out", Path(out), "profile", "profile.json")
     prof = calibrate(getattr(args, "on", None), quick=bool(getattr(args, "quick", False)),
                      log=lambda s: print(s, file=sys.stderr, flush=True), threads=getattr(args, "threads", None),
                      runtime=not getattr(args, "no_runtime", False))

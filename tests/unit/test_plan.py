@@ -254,6 +254,8 @@ def test_chunked_loss_lowers_the_text_peak_and_recomputes_the_head_once(device: 
     (["calibrate", "--on", "cpu", "--threads", "0"], "--threads 0: give 1 or more"),
     (["calibrate", "--on", "cpu", "--out", "/"], "--out /: a directory; give the profile's file name"),
     (["calibrate", "--on", "cpu", "--out", "/proc/no/p.json"], "--out /proc/no/p.json: cannot write the profile"),
+    (["tiny", "--gpus", "2", "--json", "/proc/no/p.json"], "--json /proc/no/p.json: cannot write the JSON there"),
+    (["tiny", "--gpus", "2", "--plot", "/"], "--plot /: a directory; give the PNG's file name"),
 ])
 def test_bad_numbers_and_names_are_usage_errors_naming_the_flag(argv: list[str], message: str, capsys: Any) -> None:
     """Exit 2 and a line naming the flag, before any fake run (they used to fail inside one as "unexpected
