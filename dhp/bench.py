@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from dhp.config import Config, ConfigError, load_config
 from dhp.observe.metrics_file import metric_rows
 from dhp.plan.search import Growth, grow
+from dhp.storage import check_writable
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -165,6 +166,7 @@ def run_bench(config: str | Path | None, overrides: list[str], layouts: dict[str
 
     base = load_config(config, overrides)
     out = Path(base.output.dir)
+    check_writable(out)  # bench.json is written after every layout has run: its folder is checked first
     cfgs = {name: layout_config(config, overrides, layout, name, out, steps, warmup)
             for name, layout in layouts.items()}
     check_layouts(cfgs)
@@ -521,6 +523,7 @@ def run_max_vision_tokens(config: str | Path | None, overrides: list[str], layou
     budget = round(budget_gb * GiB)
     base = load_config(config, overrides)
     out = Path(base.output.dir)
+    check_writable(out)
     cfgs = {name: layout_config(config, overrides, layout, name, out, 1, 0) for name, layout in layouts.items()}
     check_layouts(cfgs)
     from dhp.plan.planner import family_ref

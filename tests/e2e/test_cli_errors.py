@@ -71,6 +71,9 @@ def _rows(demo_data, tmp_path, base):
         ("a bench layout the model cannot take", ["bench", *base, "--steps", "1", "--no-profile", "--layouts",
                                                   "ok=vision.parallel.dp=1,big=text.parallel.tp=4"],
          "config error: --layouts big: text.parallel.tp=4 must divide the key/value heads", EXIT_CONFIG),
+        ("bench into an output.dir that cannot be written", ["bench", *_without(base, "output.dir"), "--no-profile",
+                                                              "output.dir=/proc/no/bench"],
+         "config error: output.dir=/proc/no/bench: cannot write in /proc", EXIT_CONFIG),
         ("varlen attention on the CPU", ["train", *base, "train.attention=varlen"],
          "config error: train.attention=varlen: its kernels run on CUDA in bfloat16/float16, this attention runs "
          "on cpu in float32", EXIT_CONFIG),
@@ -82,7 +85,8 @@ ROWS = ["missing data file", "image_root that does not exist", "image_root that 
         "model.hf_path that does not exist", "data.tokenizer without tokenizer.json",
         "dhp info with a path that does not exist", "on_error=skip leaving no sample", "a bad value",
         "a config file that does not exist", "data demo into a non-empty folder", "data check of a broken file",
-        "a bench layout the model cannot take", "varlen attention on the CPU"]
+        "a bench layout the model cannot take", "bench into an output.dir that cannot be written",
+        "varlen attention on the CPU"]
 
 
 @pytest.mark.parametrize("name", ROWS)
