@@ -176,10 +176,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_data_demo(args: argparse.Namespace) -> int:
     from dhp.data.demo import make_demo_dataset
+    from dhp.storage import check_writable
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out} is a file; give a new or empty directory")
+    check_writable(out, "OUT ")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise UsageError(f"{out} is not empty; give a new or empty directory, or pass --overwrite to write the demo "
                          "files over what is there")
@@ -350,6 +352,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from dhp.observe.report import make_report
+    from dhp.storage import check_writable
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -359,6 +362,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         # a `dhp bench` output.dir: one run per layout, each in its own folder; a report of each
         runs = {d.name: d for d in sorted(run_dir.iterdir()) if (d / "metrics.jsonl").is_file()}
         print(f"dhp: {run_dir} holds a dhp bench: a report of each layout ({', '.join(runs) or 'none ran a step'})")
+    if args.out:
+        check_writable(Path(args.out), "--out ")
     for name, d in runs.items():
         out = Path(args.out) / name if args.out else None
         for path in make_report(d, out):
@@ -371,8 +376,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
     from dhp.checkpoint import export_adapter, export_checkpoint, resolve_checkpoint
+    from dhp.storage import check_writable, location
 
     ckpt = resolve_checkpoint(args.checkpoint)  # a checkpoint, or a run's output.dir: its newest
+    check_writable(location(args.out), "OUT ")
     if getattr(args, "adapter", False):  # LoRA adapters only, as PEFT writes them (docs/lora.md)
         out = export_adapter(ckpt, args.out)
         print(f"dhp: exported the LoRA adapters of {ckpt} to {out} (adapter_config.json, "

@@ -635,34 +635,35 @@ def media_exists(source: AnyPath, timeout_s: float = MEDIA_TIMEOUT_S) -> bool:
         return False
 
 
-def check_writable(out: AnyPath) -> None:
-    """``output.dir`` must take what a run writes before anything starts. A URL: an object (a probe, put and
-    removed); a missing bucket, wrong credentials or endpoint are a ConfigError naming the URL and what to check.
-    A local path: a directory or none yet, under a directory that takes a new folder (a probe, made and removed
-    in the nearest existing one: nothing is left, the run's own folder is made once its groups are up)."""
+def check_writable(out: AnyPath, name: str = "output.dir=") -> None:
+    """``output.dir`` (or the folder a command writes, ``name`` as its message calls it: ``"OUT "``, ``"--out "``)
+    must take what is written there before anything starts. A URL: an object (a probe, put and removed); a missing
+    bucket, wrong credentials or endpoint are a ConfigError naming the URL and what to check. A local path: a
+    directory or none yet, under a directory that takes a new folder (a probe, made and removed in the nearest
+    existing one: nothing is left, the folder itself is made by what writes there)."""
     if not isinstance(out, UrlPath):
-        _check_local_writable(Path(out))
+        _check_local_writable(Path(out), name)
         return
     probe = out / f"{PROBE_DIR}-{uuid.uuid4().hex}"
     try:
         probe.write_text("probe")
         probe.unlink(missing_ok=True)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"output.dir={out}: cannot write there ({type(e).__name__}: {e}); check that the bucket "
+        raise ConfigError(f"{name}{out}: cannot write there ({type(e).__name__}: {e}); check that the bucket "
                           "exists and that the credentials and endpoint (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
                           "AWS_ENDPOINT_URL for S3) let this machine write to it") from None
 
 
-def _check_local_writable(out: Path) -> None:
+def _check_local_writable(out: Path, name: str = "output.dir=") -> None:
     existing = next(p for p in (out, *out.parents) if p.exists())
     if not existing.is_dir():
-        raise ConfigError(f"output.dir={out}: {existing} is a file, not a directory; choose another output.dir")
+        raise ConfigError(f"{name}{out}: {existing} is a file, not a directory; choose another directory")
     probe = existing / f"{PROBE_DIR}-{uuid.uuid4().hex}"
     try:
         probe.mkdir()
         probe.rmdir()
     except OSError as e:
-        raise ConfigError(f"output.dir={out}: cannot write in {existing} ({type(e).__name__}: {e}); choose a "
+        raise ConfigError(f"{name}{out}: cannot write in {existing} ({type(e).__name__}: {e}); choose a "
                           "directory this user can write to") from None
 
 

@@ -74,6 +74,10 @@ def _rows(demo_data, tmp_path, base):
         ("bench into an output.dir that cannot be written", ["bench", *_without(base, "output.dir"), "--no-profile",
                                                               "output.dir=/proc/no/bench"],
          "config error: output.dir=/proc/no/bench: cannot write in /proc", EXIT_CONFIG),
+        ("data demo into a folder that cannot be written", ["data", "demo", "/proc/no/demo"],
+         "config error: OUT /proc/no/demo: cannot write in /proc", EXIT_CONFIG),
+        ("report into a folder that cannot be written", ["report", str(demo_data.root), "--out", "/proc/no/plots"],
+         "config error: --out /proc/no/plots: cannot write in /proc", EXIT_CONFIG),
         ("varlen attention on the CPU", ["train", *base, "train.attention=varlen"],
          "config error: train.attention=varlen: its kernels run on CUDA in bfloat16/float16, this attention runs "
          "on cpu in float32", EXIT_CONFIG),
@@ -86,6 +90,7 @@ ROWS = ["missing data file", "image_root that does not exist", "image_root that 
         "dhp info with a path that does not exist", "on_error=skip leaving no sample", "a bad value",
         "a config file that does not exist", "data demo into a non-empty folder", "data check of a broken file",
         "a bench layout the model cannot take", "bench into an output.dir that cannot be written",
+        "data demo into a folder that cannot be written", "report into a folder that cannot be written",
         "varlen attention on the CPU"]
 
 
