@@ -15,7 +15,7 @@ from typing import Any
 
 from dhp.observe.devices import Device, get_device
 from dhp.plan.planner import STRATEGIES, Pricing, Row, plan
-from dhp.plan.profile import Profile, machine_profile_path, roofline
+from dhp.plan.profile import CALIBRATED, ROOFLINE, Profile, machine_profile_path, roofline
 
 POOL_LINK_GBS = 50.0  # between pools of a device per group: 400 Gb/s InfiniBand per GPU, one direction
 
@@ -104,10 +104,9 @@ def table(rows: list[Row], limit: float) -> str:
     return "\n".join(out)
 
 
-def cpu_priced(pricing: Any) -> bool:
+def cpu_priced(pricing: Pricing) -> bool:
     """Whether a CPU's calibrated profile prices a group of the plan, which lays the model out on GPUs."""
-    return any(p.source == "calibrated" and p.device_type == "cpu"
-               for p in (pricing.default, *dict(pricing.groups).values()))
+    return any(p.source == CALIBRATED and p.device_type == "cpu" for p in pricing.profiles)
 
 
 def time_unit(rows: list[Row]) -> tuple[str, float]:
@@ -282,7 +281,7 @@ def run_plan(args: Any) -> int:
           + ("; LoRA " + ", ".join(f"{m} r={r} (base frozen)" for m, r in lora.items()) if lora else "")
           + f"\npriced by {pricing.label}"
           + ("  [ROOFLINE: no calibrated profile; `dhp plan calibrate` measures one]"
-             if any(p.source == "roofline" for p in (pricing.default, *dict(pricing.groups).values())) else "")
+             if any(p.source == ROOFLINE for p in pricing.profiles) else "")
           + ("\n  [CPU PROFILE: the times are this CPU's, the memory limit the GPU's; calibrate on the GPU "
              "(`dhp plan calibrate --on cuda`) for its times]" if cpu_priced(pricing) else ""))
     print(table(rows, limit))

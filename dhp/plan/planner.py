@@ -403,6 +403,11 @@ class Pricing:
     def of(self, group: str) -> Profile:
         return dict(self.groups).get(group, self.default)
 
+    @property
+    def profiles(self) -> tuple[Profile, ...]:
+        """Every profile that prices a group: the default and the groups' own."""
+        return (self.default, *dict(self.groups).values())
+
     def limit_gb(self, group: str, default: float) -> float:
         return dict(self.memory_gb).get(group, default)
 
